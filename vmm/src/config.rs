@@ -1,0 +1,401 @@
+// SPDX-License-Identifier: Apache-2.0
+//! VM configuration: a plain serde struct plus a builder.
+//!
+//! [`VmConfig`] is data only (it can come from JSON or YAML); things that
+//! cannot be serialized — a block backend object, a serial callback — are
+//! attached at run time through [`crate::VmBuilder`].
+//!
+//! ```
+//! use sheaf_vmm::VmConfig;
+//! let cfg = VmConfig::builder()
+//!     .vcpus(2)
+//!     .memory_mib(256)
+//!     .kernel("/boot/vmlinuz")
+//!     .cmdline("console=ttyS0 quiet")
+//!     .disk("/var/lib/disk.img")
+//!     .build()
+//!     .unwrap();
+//! assert_eq!(cfg.vcpus, 2);
+//! let json = serde_json::to_string(&cfg).unwrap();
+//! let back: VmConfig = serde_json::from_str(&json).unwrap();
+//! assert_eq!(back, cfg);
+//! ```
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Largest number of vCPUs a VM may have (APIC ids must fit the MADT's u8).
+pub const MAX_VCPUS: u8 = 254;
+/// Largest number of virtio-mmio devices (one IOAPIC pin each).
+pub const MAX_VIRTIO_DEVICES: usize = 16;
+/// Smallest guest memory size in MiB.
+pub const MIN_MEMORY_MIB: u64 = 2;
+/// Largest kernel command line in bytes (Linux's x86 COMMAND_LINE_SIZE).
+pub const MAX_CMDLINE_LEN: usize = 2048;
+
+/// Errors found by [`VmConfig::validate`].
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// vcpus is zero or above [`MAX_VCPUS`].
+    #[error("vcpus must be between 1 and {MAX_VCPUS}, got {0}")]
+    Vcpus(u8),
+    /// Memory size below the minimum or too large for the host address space.
+    #[error("memory must be between {MIN_MEMORY_MIB} MiB and 1 TiB, got {0} MiB")]
+    MemorySize(u64),
+    /// No kernel image given.
+    #[error("no kernel image configured")]
+    MissingKernel,
+    /// The command line is too long or contains a NUL byte.
+    #[error("kernel command line is invalid: {0}")]
+    Cmdline(String),
+    /// Too many disks.
+    #[error("at most {MAX_VIRTIO_DEVICES} virtio devices are supported, got {0}")]
+    TooManyDevices(usize),
+    /// Two disks share an id.
+    #[error("duplicate disk id {0:?}")]
+    DuplicateDiskId(String),
+    /// A disk id is longer than virtio-blk's 20-byte id field.
+    #[error("disk id {0:?} is longer than 20 bytes")]
+    DiskIdTooLong(String),
+    /// The serial ring buffer capacity is zero or above 64 MiB.
+    #[error("serial ring capacity must be between 1 byte and 64 MiB, got {0}")]
+    SerialRing(usize),
+}
+
+/// How guest RAM is backed on the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryBacking {
+    /// Private anonymous memory (the default).
+    #[default]
+    Anonymous,
+    /// A memfd, shareable with out-of-process device backends (vhost-user).
+    Memfd,
+}
+
+/// Guest memory settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryConfig {
+    /// Guest RAM in MiB.
+    pub size_mib: u64,
+    /// Host backing of guest RAM.
+    #[serde(default)]
+    pub backing: MemoryBacking,
+    /// Ask KVM to log dirty pages (for live migration); see
+    /// [`crate::Vm::dirty_pages`].
+    #[serde(default)]
+    pub track_dirty_pages: bool,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        MemoryConfig {
+            size_mib: 128,
+            backing: MemoryBacking::Anonymous,
+            track_dirty_pages: false,
+        }
+    }
+}
+
+/// Which boot protocol to enter the kernel with.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BootProtocol {
+    /// Linux 64-bit boot protocol: the vCPU starts in long mode at the ELF
+    /// entry (or bzImage `code32_start + 0x200`) with `boot_params` in RSI.
+    #[default]
+    Linux64,
+    /// Xen PVH: the vCPU starts in 32-bit protected mode at the ELF's PVH
+    /// note entry with an `hvm_start_info` in EBX. ELF images only.
+    Pvh,
+}
+
+/// Kernel and boot settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KernelConfig {
+    /// Kernel image: an ELF (vmlinux, probe guest) or a bzImage.
+    pub path: PathBuf,
+    /// Optional initramfs.
+    #[serde(default)]
+    pub initramfs: Option<PathBuf>,
+    /// Kernel command line.
+    #[serde(default)]
+    pub cmdline: String,
+    /// Boot protocol.
+    #[serde(default)]
+    pub boot_protocol: BootProtocol,
+    /// Also describe each virtio-mmio device on the command line as
+    /// `virtio_mmio.device=<size>@<base>:<irq>` (for kernels built with
+    /// `VIRTIO_MMIO_CMDLINE_DEVICES` and for the probe guest). Devices are
+    /// always described in the ACPI DSDT as well.
+    #[serde(default)]
+    pub cmdline_virtio_devices: bool,
+}
+
+/// A virtio-blk disk backed by a host file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    /// Path of a raw image file or block device.
+    pub path: PathBuf,
+    /// Expose the disk read-only (`VIRTIO_BLK_F_RO`).
+    #[serde(default)]
+    pub read_only: bool,
+    /// Device id reported by `VIRTIO_BLK_T_GET_ID` (at most 20 bytes);
+    /// defaults to the file name.
+    #[serde(default)]
+    pub id: Option<String>,
+}
+
+/// Where the guest's serial console output (COM1) goes. Output is also
+/// always kept in an in-memory ring readable through
+/// [`crate::Vm::console`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum SerialConfig {
+    /// Only the in-memory ring.
+    #[default]
+    Ring,
+    /// The VMM process's stdout.
+    Stdout,
+    /// Append to a file.
+    File {
+        /// File path (created if missing).
+        path: PathBuf,
+    },
+}
+
+/// The complete description of a VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    /// Name used in thread names and logs.
+    #[serde(default = "default_name")]
+    pub name: String,
+    /// Number of vCPUs.
+    pub vcpus: u8,
+    /// Guest memory.
+    #[serde(default)]
+    pub memory: MemoryConfig,
+    /// Kernel, initramfs, command line.
+    pub kernel: KernelConfig,
+    /// File-backed virtio-blk disks, in order (`/dev/vda`, `/dev/vdb`, ...).
+    #[serde(default)]
+    pub disks: Vec<DiskConfig>,
+    /// Serial console sink.
+    #[serde(default)]
+    pub serial: SerialConfig,
+    /// Capacity of the in-memory console ring in bytes.
+    #[serde(default = "default_ring")]
+    pub serial_ring_bytes: usize,
+}
+
+fn default_name() -> String {
+    "sheaf-vm".to_string()
+}
+
+fn default_ring() -> usize {
+    64 * 1024
+}
+
+impl VmConfig {
+    /// Starts a builder with defaults: 1 vCPU, 128 MiB, console to the ring.
+    pub fn builder() -> VmConfigBuilder {
+        VmConfigBuilder {
+            cfg: VmConfig {
+                name: default_name(),
+                vcpus: 1,
+                memory: MemoryConfig::default(),
+                kernel: KernelConfig::default(),
+                disks: Vec::new(),
+                serial: SerialConfig::default(),
+                serial_ring_bytes: default_ring(),
+            },
+        }
+    }
+
+    /// Checks every field; `extra_devices` counts block backends attached at
+    /// run time on top of `disks`.
+    pub fn validate(&self, extra_devices: usize) -> Result<(), ConfigError> {
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(ConfigError::Vcpus(self.vcpus));
+        }
+        if self.memory.size_mib < MIN_MEMORY_MIB || self.memory.size_mib > 1 << 20 {
+            return Err(ConfigError::MemorySize(self.memory.size_mib));
+        }
+        if self.kernel.path.as_os_str().is_empty() {
+            return Err(ConfigError::MissingKernel);
+        }
+        if self.kernel.cmdline.len() >= MAX_CMDLINE_LEN / 2 {
+            return Err(ConfigError::Cmdline(format!(
+                "{} bytes, at most {} allowed",
+                self.kernel.cmdline.len(),
+                MAX_CMDLINE_LEN / 2 - 1
+            )));
+        }
+        if self.kernel.cmdline.contains('\0') {
+            return Err(ConfigError::Cmdline("contains a NUL byte".into()));
+        }
+        let ndev = self.disks.len() + extra_devices;
+        if ndev > MAX_VIRTIO_DEVICES {
+            return Err(ConfigError::TooManyDevices(ndev));
+        }
+        let mut ids = std::collections::HashSet::new();
+        for d in &self.disks {
+            if let Some(id) = &d.id {
+                if id.len() > 20 {
+                    return Err(ConfigError::DiskIdTooLong(id.clone()));
+                }
+                if !ids.insert(id.clone()) {
+                    return Err(ConfigError::DuplicateDiskId(id.clone()));
+                }
+            }
+        }
+        if self.serial_ring_bytes == 0 || self.serial_ring_bytes > 64 << 20 {
+            return Err(ConfigError::SerialRing(self.serial_ring_bytes));
+        }
+        Ok(())
+    }
+}
+
+/// Builder for [`VmConfig`]; [`VmConfigBuilder::build`] validates.
+#[derive(Debug, Clone)]
+pub struct VmConfigBuilder {
+    cfg: VmConfig,
+}
+
+impl VmConfigBuilder {
+    /// VM name.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.cfg.name = name.into();
+        self
+    }
+    /// Number of vCPUs.
+    pub fn vcpus(mut self, n: u8) -> Self {
+        self.cfg.vcpus = n;
+        self
+    }
+    /// Guest RAM in MiB.
+    pub fn memory_mib(mut self, mib: u64) -> Self {
+        self.cfg.memory.size_mib = mib;
+        self
+    }
+    /// Guest RAM backing.
+    pub fn memory_backing(mut self, backing: MemoryBacking) -> Self {
+        self.cfg.memory.backing = backing;
+        self
+    }
+    /// Enable KVM dirty-page logging.
+    pub fn track_dirty_pages(mut self, on: bool) -> Self {
+        self.cfg.memory.track_dirty_pages = on;
+        self
+    }
+    /// Kernel image path.
+    pub fn kernel(mut self, path: impl Into<PathBuf>) -> Self {
+        self.cfg.kernel.path = path.into();
+        self
+    }
+    /// Initramfs path.
+    pub fn initramfs(mut self, path: impl Into<PathBuf>) -> Self {
+        self.cfg.kernel.initramfs = Some(path.into());
+        self
+    }
+    /// Kernel command line.
+    pub fn cmdline(mut self, cmdline: impl Into<String>) -> Self {
+        self.cfg.kernel.cmdline = cmdline.into();
+        self
+    }
+    /// Boot protocol.
+    pub fn boot_protocol(mut self, p: BootProtocol) -> Self {
+        self.cfg.kernel.boot_protocol = p;
+        self
+    }
+    /// Describe virtio-mmio devices on the command line too.
+    pub fn cmdline_virtio_devices(mut self, on: bool) -> Self {
+        self.cfg.kernel.cmdline_virtio_devices = on;
+        self
+    }
+    /// Add a writable file-backed disk.
+    pub fn disk(mut self, path: impl Into<PathBuf>) -> Self {
+        self.cfg.disks.push(DiskConfig {
+            path: path.into(),
+            read_only: false,
+            id: None,
+        });
+        self
+    }
+    /// Add a disk with full settings.
+    pub fn disk_config(mut self, disk: DiskConfig) -> Self {
+        self.cfg.disks.push(disk);
+        self
+    }
+    /// Serial console sink.
+    pub fn serial(mut self, s: SerialConfig) -> Self {
+        self.cfg.serial = s;
+        self
+    }
+    /// Console ring capacity in bytes.
+    pub fn serial_ring_bytes(mut self, n: usize) -> Self {
+        self.cfg.serial_ring_bytes = n;
+        self
+    }
+    /// Validates and returns the config.
+    pub fn build(self) -> Result<VmConfig, ConfigError> {
+        self.cfg.validate(0)?;
+        Ok(self.cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> VmConfigBuilder {
+        VmConfig::builder().kernel("k")
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        assert_eq!(base().vcpus(0).build(), Err(ConfigError::Vcpus(0)));
+        assert_eq!(base().vcpus(255).build(), Err(ConfigError::Vcpus(255)));
+        assert_eq!(
+            base().memory_mib(1).build(),
+            Err(ConfigError::MemorySize(1))
+        );
+        assert_eq!(VmConfig::builder().build(), Err(ConfigError::MissingKernel));
+        assert!(matches!(
+            base().cmdline("a\0b").build(),
+            Err(ConfigError::Cmdline(_))
+        ));
+        let d = DiskConfig {
+            path: "x".into(),
+            read_only: false,
+            id: Some("same".into()),
+        };
+        assert_eq!(
+            base().disk_config(d.clone()).disk_config(d).build(),
+            Err(ConfigError::DuplicateDiskId("same".into()))
+        );
+        let mut b = base();
+        for _ in 0..17 {
+            b = b.disk("d");
+        }
+        assert_eq!(b.build(), Err(ConfigError::TooManyDevices(17)));
+    }
+
+    #[test]
+    fn parses_minimal_json_with_defaults() {
+        let cfg: VmConfig = serde_json::from_str(r#"{"vcpus":1,"kernel":{"path":"/k"}}"#).unwrap();
+        assert_eq!(cfg.memory.size_mib, 128);
+        assert_eq!(cfg.serial, SerialConfig::Ring);
+        assert_eq!(cfg.kernel.boot_protocol, BootProtocol::Linux64);
+        assert!(
+            serde_json::from_str::<VmConfig>(r#"{"vcpus":1,"kernel":{"path":"/k"},"bogus":1}"#)
+                .is_err()
+        );
+    }
+}

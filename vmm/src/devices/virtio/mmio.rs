@@ -1,0 +1,358 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The virtio-mmio transport, version 2 (virtio 1.x "modern" register layout).
+//!
+//! Every guest access is checked: registers take aligned 32-bit accesses
+//! only, queue registers are frozen once a queue is ready, unknown offsets
+//! and bad sizes are dropped with a rate-limited warning, and a device fault
+//! sets `DEVICE_NEEDS_RESET` (plus a configuration interrupt) instead of
+//! touching the host.
+
+use std::num::Wrapping;
+use std::sync::atomic::Ordering;
+
+use virtio_queue::{Queue, QueueT};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::VIRTIO_RING_F_EVENT_IDX;
+use super::{
+    DeviceFault, INT_CONFIG, INT_VRING, VIRTIO_F_VERSION_1, VirtioDevice, VirtioInterrupt,
+};
+use crate::devices::{BusDevice, RateLimitedWarn};
+use crate::memory::GuestMemory;
+
+/// "virt" in little endian.
+pub const MMIO_MAGIC: u32 = 0x7472_6976;
+/// Transport version implemented.
+pub const MMIO_VERSION: u32 = 2;
+/// Vendor id reported to the guest ("SHEA").
+pub const VENDOR_ID: u32 = 0x4145_4853;
+/// Offset of the QueueNotify register (the ioeventfd address).
+pub const QUEUE_NOTIFY: u64 = 0x50;
+
+/// Device status bits.
+pub mod status {
+    /// Guest noticed the device.
+    pub const ACKNOWLEDGE: u32 = 1;
+    /// Guest has a driver.
+    pub const DRIVER: u32 = 2;
+    /// Driver is ready.
+    pub const DRIVER_OK: u32 = 4;
+    /// Feature negotiation complete.
+    pub const FEATURES_OK: u32 = 8;
+    /// The device hit an error and needs a reset.
+    pub const NEEDS_RESET: u32 = 0x40;
+    /// The driver gave up.
+    pub const FAILED: u32 = 0x80;
+}
+
+/// A virtio device behind a virtio-mmio register window.
+pub struct MmioTransport {
+    device: Box<dyn VirtioDevice>,
+    mem: GuestMemory,
+    queues: Vec<Queue>,
+    queue_evts: Vec<EventFd>,
+    interrupt: VirtioInterrupt,
+    device_features_sel: u32,
+    driver_features_sel: u32,
+    acked_features: u64,
+    queue_sel: u32,
+    status: u32,
+    config_generation: u32,
+    warn: RateLimitedWarn,
+    name: String,
+}
+
+impl std::fmt::Debug for MmioTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MmioTransport")
+            .field("name", &self.name)
+            .field("status", &self.status)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MmioTransport {
+    /// Wraps `device`; one notification eventfd is created per queue.
+    pub fn new(
+        name: String,
+        device: Box<dyn VirtioDevice>,
+        mem: GuestMemory,
+        interrupt: VirtioInterrupt,
+    ) -> std::io::Result<Self> {
+        let mut queues = Vec::new();
+        let mut queue_evts = Vec::new();
+        for &max in device.queue_max_sizes() {
+            queues.push(Queue::new(max).map_err(|e| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{e:?}"))
+            })?);
+            queue_evts.push(EventFd::new(libc::EFD_NONBLOCK)?);
+        }
+        Ok(MmioTransport {
+            device,
+            mem,
+            queues,
+            queue_evts,
+            interrupt,
+            device_features_sel: 0,
+            driver_features_sel: 0,
+            acked_features: 0,
+            queue_sel: 0,
+            status: 0,
+            config_generation: 0,
+            warn: RateLimitedWarn::default(),
+            name,
+        })
+    }
+
+    /// The per-queue notification eventfds (registered as ioeventfds).
+    pub fn queue_evts(&self) -> &[EventFd] {
+        &self.queue_evts
+    }
+
+    /// Current device status register.
+    pub fn status(&self) -> u32 {
+        self.status
+    }
+
+    fn bad_access(&mut self, what: &str, offset: u64, len: usize) {
+        if let Some(suppressed) = self.warn.check() {
+            tracing::warn!(
+                device = %self.name,
+                offset = format_args!("{offset:#x}"),
+                len,
+                suppressed,
+                "ignored bad virtio-mmio {what}"
+            );
+        }
+    }
+
+    fn fault(&mut self, e: &DeviceFault) {
+        if self.status & status::NEEDS_RESET == 0 {
+            tracing::warn!(device = %self.name, error = %e, "virtio device needs reset");
+            self.status |= status::NEEDS_RESET;
+            self.interrupt.trigger(INT_CONFIG);
+        }
+    }
+
+    fn reset(&mut self) {
+        self.device.reset();
+        for q in &mut self.queues {
+            q.reset();
+        }
+        self.device_features_sel = 0;
+        self.driver_features_sel = 0;
+        self.acked_features = 0;
+        self.queue_sel = 0;
+        self.status = 0;
+        self.interrupt.ack(u32::MAX);
+    }
+
+    fn selected(&mut self) -> Option<&mut Queue> {
+        self.queues.get_mut(self.queue_sel as usize)
+    }
+
+    /// Processes queue `index` after a notification (from the device thread).
+    pub fn notify(&mut self, index: usize) {
+        if self.status & status::DRIVER_OK == 0 || self.status & status::NEEDS_RESET != 0 {
+            return;
+        }
+        let Some(queue) = self.queues.get_mut(index) else {
+            return;
+        };
+        if !queue.ready() {
+            return;
+        }
+        // A guest that moved avail.idx more than a queue's length ahead is broken.
+        match queue.avail_idx(&self.mem, Ordering::Acquire) {
+            Ok(idx) if (idx - Wrapping(queue.next_avail())).0 > queue.size() => {
+                self.fault(&DeviceFault(
+                    "avail index ahead by more than the queue size".into(),
+                ));
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                self.fault(&DeviceFault(format!("avail ring: {e:?}")));
+                return;
+            }
+        }
+        let result = self.device.process_queue(index, queue, &self.mem);
+        // More pending (the device stops after one queue's worth): come back later.
+        if let Ok(idx) = queue.avail_idx(&self.mem, Ordering::Acquire)
+            && idx.0 != queue.next_avail()
+            && let Some(evt) = self.queue_evts.get(index)
+        {
+            let _ = evt.write(1);
+        }
+        match result {
+            Ok(true) => match queue.needs_notification(&self.mem) {
+                Ok(true) => self.interrupt.trigger(INT_VRING),
+                Ok(false) => {}
+                Err(e) => self.fault(&DeviceFault(format!("used ring: {e:?}"))),
+            },
+            Ok(false) => {}
+            Err(e) => self.fault(&e),
+        }
+    }
+
+    fn set_status(&mut self, v: u32) {
+        if v == 0 {
+            self.reset();
+            return;
+        }
+        if v & self.status != self.status {
+            // Drivers may only add bits (or write 0).
+            self.bad_access("status transition", 0x70, 4);
+            return;
+        }
+        let new = v & !self.status;
+        let mut v = v;
+        if new & status::FEATURES_OK != 0 {
+            let offered = self.device.features();
+            let ok = self.acked_features & !offered == 0
+                && self.acked_features & (1 << VIRTIO_F_VERSION_1) != 0;
+            if !ok {
+                v &= !status::FEATURES_OK;
+            }
+        }
+        if new & status::DRIVER_OK != 0 {
+            if self.status & status::FEATURES_OK == 0 && v & status::FEATURES_OK == 0 {
+                self.status = v & !status::DRIVER_OK;
+                self.fault(&DeviceFault("DRIVER_OK before FEATURES_OK".into()));
+                return;
+            }
+            let event_idx = self.acked_features & (1 << VIRTIO_RING_F_EVENT_IDX) != 0;
+            let mut bad = None;
+            for (i, q) in self.queues.iter_mut().enumerate() {
+                q.set_event_idx(event_idx);
+                if q.ready() && !q.is_valid(&self.mem) {
+                    bad = Some(i);
+                }
+            }
+            self.status = v;
+            if let Some(i) = bad {
+                self.fault(&DeviceFault(format!("queue {i} is not valid")));
+                return;
+            }
+            self.device.activate(self.acked_features);
+            return;
+        }
+        self.status = v;
+    }
+
+    fn read_reg(&mut self, offset: u64) -> Option<u32> {
+        Some(match offset {
+            0x00 => MMIO_MAGIC,
+            0x04 => MMIO_VERSION,
+            0x08 => self.device.device_type(),
+            0x0c => VENDOR_ID,
+            0x10 => match self.device_features_sel {
+                0 => self.device.features() as u32,
+                1 => (self.device.features() >> 32) as u32,
+                _ => 0,
+            },
+            0x34 => self.selected().map_or(0, |q| u32::from(q.max_size())),
+            0x44 => self.selected().map_or(0, |q| u32::from(q.ready())),
+            0x60 => self.interrupt.status(),
+            0x70 => self.status,
+            0xfc => self.config_generation,
+            _ => return None,
+        })
+    }
+
+    fn write_reg(&mut self, offset: u64, v: u32) -> bool {
+        let driver_ok = self.status & status::DRIVER_OK != 0;
+        match offset {
+            0x14 => self.device_features_sel = v,
+            0x20 => {
+                if self.status & status::FEATURES_OK != 0 {
+                    return false;
+                }
+                match self.driver_features_sel {
+                    0 => self.acked_features = (self.acked_features & !0xffff_ffff) | u64::from(v),
+                    1 => {
+                        self.acked_features =
+                            (self.acked_features & 0xffff_ffff) | (u64::from(v) << 32)
+                    }
+                    _ => return false,
+                }
+            }
+            0x24 => self.driver_features_sel = v,
+            0x30 => self.queue_sel = v,
+            0x38 | 0x44 | 0x80 | 0x84 | 0x90 | 0x94 | 0xa0 | 0xa4 => {
+                if driver_ok && offset != 0x44 {
+                    return false;
+                }
+                let Some(q) = self.selected() else {
+                    return false;
+                };
+                if offset != 0x44 && q.ready() {
+                    return false;
+                }
+                match offset {
+                    0x38 => {
+                        let max = q.max_size();
+                        if v == 0 || v > u32::from(max) || !v.is_power_of_two() {
+                            return false;
+                        }
+                        q.set_size(v as u16);
+                    }
+                    0x44 => q.set_ready(v == 1),
+                    0x80 => q.set_desc_table_address(Some(v), None),
+                    0x84 => q.set_desc_table_address(None, Some(v)),
+                    0x90 => q.set_avail_ring_address(Some(v), None),
+                    0x94 => q.set_avail_ring_address(None, Some(v)),
+                    0xa0 => q.set_used_ring_address(Some(v), None),
+                    _ => q.set_used_ring_address(None, Some(v)),
+                }
+            }
+            QUEUE_NOTIFY => {
+                // Normally consumed by the ioeventfd; handle it inline otherwise.
+                match self.queue_evts.get(v as usize) {
+                    Some(_) => self.notify(v as usize),
+                    None => return false,
+                }
+            }
+            0x64 => self.interrupt.ack(v),
+            0x70 => self.set_status(v),
+            _ => return false,
+        }
+        true
+    }
+}
+
+impl BusDevice for MmioTransport {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset >= 0x100 {
+            self.device.read_config(offset - 0x100, data);
+            return;
+        }
+        let value = if data.len() == 4 && offset % 4 == 0 {
+            self.read_reg(offset)
+        } else {
+            None
+        };
+        match value {
+            Some(v) => data.copy_from_slice(&v.to_le_bytes()),
+            None => {
+                data.fill(0);
+                self.bad_access("read", offset, data.len());
+            }
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset >= 0x100 {
+            self.device.write_config(offset - 0x100, data);
+            self.config_generation = self.config_generation.wrapping_add(1);
+            return;
+        }
+        let ok = match <[u8; 4]>::try_from(data) {
+            Ok(b) if offset % 4 == 0 => self.write_reg(offset, u32::from_le_bytes(b)),
+            _ => false,
+        };
+        if !ok {
+            self.bad_access("write", offset, data.len());
+        }
+    }
+}

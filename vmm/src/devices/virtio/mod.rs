@@ -1,0 +1,99 @@
+// SPDX-License-Identifier: Apache-2.0
+//! virtio devices over the virtio-mmio (version 2) transport.
+
+pub mod block;
+pub mod mmio;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::memory::GuestMemory;
+
+/// `VIRTIO_F_VERSION_1`.
+pub const VIRTIO_F_VERSION_1: u32 = 32;
+/// `VIRTIO_RING_F_EVENT_IDX`.
+pub const VIRTIO_RING_F_EVENT_IDX: u32 = 29;
+/// Interrupt status bit: a used buffer was added.
+pub const INT_VRING: u32 = 1;
+/// Interrupt status bit: the configuration (or device status) changed.
+pub const INT_CONFIG: u32 = 2;
+
+/// A device error that stops the device until the driver resets it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct DeviceFault(pub String);
+
+/// A virtio device model, independent of the transport.
+pub trait VirtioDevice: Send {
+    /// The virtio device id (2 = block).
+    fn device_type(&self) -> u32;
+    /// Maximum size of each queue; the length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Feature bits offered to the driver.
+    fn features(&self) -> u64;
+    /// Reads the device-specific configuration space.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes the configuration space (ignored by default).
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        let _ = (offset, data);
+    }
+    /// Called once the driver set DRIVER_OK, with the negotiated features.
+    fn activate(&mut self, acked_features: u64) {
+        let _ = acked_features;
+    }
+    /// Processes what the driver made available on queue `index`. Returns
+    /// whether any used buffers were added. An `Err` puts the device in
+    /// `DEVICE_NEEDS_RESET`.
+    fn process_queue(
+        &mut self,
+        index: usize,
+        queue: &mut Queue,
+        mem: &GuestMemory,
+    ) -> Result<bool, DeviceFault>;
+    /// Returns to the initial state (driver wrote 0 to Status).
+    fn reset(&mut self) {}
+}
+
+/// The interrupt line of one virtio-mmio device: the `InterruptStatus`
+/// register plus the irqfd wired to its GSI.
+#[derive(Debug, Clone)]
+pub struct VirtioInterrupt {
+    status: Arc<AtomicU32>,
+    irqfd: Arc<EventFd>,
+}
+
+impl VirtioInterrupt {
+    /// An interrupt raising `irqfd`.
+    pub fn new(irqfd: EventFd) -> Self {
+        VirtioInterrupt {
+            status: Arc::new(AtomicU32::new(0)),
+            irqfd: Arc::new(irqfd),
+        }
+    }
+
+    /// Sets `bits` in InterruptStatus and raises the line.
+    pub fn trigger(&self, bits: u32) {
+        self.status.fetch_or(bits, Ordering::SeqCst);
+        if let Err(e) = self.irqfd.write(1) {
+            tracing::warn!(error = %e, "cannot signal virtio irqfd");
+        }
+    }
+
+    /// Current InterruptStatus.
+    pub fn status(&self) -> u32 {
+        self.status.load(Ordering::SeqCst)
+    }
+
+    /// Clears acknowledged bits.
+    pub fn ack(&self, bits: u32) {
+        self.status.fetch_and(!bits, Ordering::SeqCst);
+    }
+
+    /// The irqfd.
+    pub fn irqfd(&self) -> &EventFd {
+        &self.irqfd
+    }
+}

@@ -1,0 +1,203 @@
+// SPDX-License-Identifier: Apache-2.0
+//! Guest RAM: creation (anonymous or memfd), KVM memslots, dirty-page log.
+
+use std::fs::File;
+use std::os::fd::FromRawFd;
+
+use kvm_bindings::{KVM_MEM_LOG_DIRTY_PAGES, kvm_userspace_memory_region};
+use kvm_ioctls::VmFd;
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+
+use crate::arch::x86_64::layout;
+use crate::config::{MemoryBacking, MemoryConfig};
+
+/// Guest memory type used throughout the crate.
+pub type GuestMemory = GuestMemoryMmap<()>;
+
+/// Errors from guest memory setup.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// memfd_create or ftruncate failed.
+    #[error("cannot create the memfd backing guest RAM")]
+    CreateMemfd(#[source] std::io::Error),
+    /// Mapping guest RAM failed.
+    #[error("cannot map {size_mib} MiB of guest RAM")]
+    Map {
+        /// Requested size.
+        size_mib: u64,
+        /// Cause.
+        #[source]
+        source: vm_memory::mmap::FromRangesError,
+    },
+    /// KVM_SET_USER_MEMORY_REGION failed.
+    #[error("cannot register memory slot {slot} with KVM")]
+    SetMemorySlot {
+        /// Slot index.
+        slot: u32,
+        /// Cause.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+}
+
+/// Guest RAM and the file that backs it, if any.
+#[derive(Debug)]
+pub struct GuestRam {
+    /// The mapped memory.
+    pub mem: GuestMemory,
+    /// The memfd backing RAM (for sharing with vhost-user backends).
+    pub memfd: Option<File>,
+    /// Whether KVM logs dirty pages for the slots.
+    pub dirty_logging: bool,
+}
+
+impl GuestRam {
+    /// Maps guest RAM according to `cfg`.
+    pub fn new(cfg: &MemoryConfig) -> Result<Self, MemoryError> {
+        let size = cfg.size_mib << 20;
+        let regions = layout::ram_regions(size);
+        let memfd = match cfg.backing {
+            MemoryBacking::Anonymous => None,
+            MemoryBacking::Memfd => Some(create_memfd(size)?),
+        };
+        let mut offset = 0u64;
+        let ranges: Vec<(GuestAddress, usize, Option<FileOffset>)> = regions
+            .iter()
+            .map(|&(base, len)| {
+                let fo = memfd
+                    .as_ref()
+                    .and_then(|f| f.try_clone().ok().map(|f| FileOffset::new(f, offset)));
+                offset += len;
+                (GuestAddress(base), len as usize, fo)
+            })
+            .collect();
+        if memfd.is_some() && ranges.iter().any(|r| r.2.is_none()) {
+            return Err(MemoryError::CreateMemfd(std::io::Error::last_os_error()));
+        }
+        let mem =
+            GuestMemoryMmap::from_ranges_with_files(ranges).map_err(|source| MemoryError::Map {
+                size_mib: cfg.size_mib,
+                source,
+            })?;
+        Ok(GuestRam {
+            mem,
+            memfd,
+            dirty_logging: cfg.track_dirty_pages,
+        })
+    }
+
+    /// Registers every region as a KVM memory slot (slot = region index).
+    pub fn register(&self, vm: &VmFd) -> Result<(), MemoryError> {
+        for (slot, region) in self.mem.iter().enumerate() {
+            let host = self
+                .mem
+                .get_host_address(region.start_addr())
+                .map_err(|_| MemoryError::SetMemorySlot {
+                    slot: slot as u32,
+                    source: kvm_ioctls::Error::new(libc::EFAULT),
+                })?;
+            let r = kvm_userspace_memory_region {
+                slot: slot as u32,
+                guest_phys_addr: region.start_addr().0,
+                memory_size: region.len(),
+                userspace_addr: host as u64,
+                flags: if self.dirty_logging {
+                    KVM_MEM_LOG_DIRTY_PAGES
+                } else {
+                    0
+                },
+            };
+            // SAFETY: the host range [host, host + len) is a live mapping
+            // owned by `self.mem`, which outlives the VM (the Vm keeps both
+            // and drops the VmFd first), and slots do not overlap.
+            unsafe { vm.set_user_memory_region(r) }.map_err(|source| {
+                MemoryError::SetMemorySlot {
+                    slot: slot as u32,
+                    source,
+                }
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Total RAM in bytes.
+    pub fn size(&self) -> u64 {
+        self.mem.iter().map(|r| r.len()).sum()
+    }
+}
+
+fn create_memfd(size: u64) -> Result<File, MemoryError> {
+    let name = c"sheaf-guest-ram";
+    // SAFETY: memfd_create takes a valid NUL-terminated name and flags; the
+    // return value is checked before use.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(MemoryError::CreateMemfd(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(size).map_err(MemoryError::CreateMemfd)?;
+    Ok(file)
+}
+
+/// Dirty pages of one memory region since the previous call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirtyRegion {
+    /// Guest physical start of the region.
+    pub guest_addr: u64,
+    /// Bitmap, one bit per 4 KiB page, LSB first.
+    pub bitmap: Vec<u64>,
+}
+
+impl DirtyRegion {
+    /// Number of dirty pages.
+    pub fn count(&self) -> u64 {
+        self.bitmap.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+}
+
+/// Reads and clears KVM's dirty log for every region.
+pub(crate) fn dirty_log(
+    vm: &VmFd,
+    mem: &GuestMemory,
+) -> Result<Vec<DirtyRegion>, kvm_ioctls::Error> {
+    mem.iter()
+        .enumerate()
+        .map(|(slot, r)| {
+            Ok(DirtyRegion {
+                guest_addr: r.start_addr().0,
+                bitmap: vm.get_dirty_log(slot as u32, r.len() as usize)?,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use vm_memory::Bytes;
+
+    use super::*;
+
+    #[test]
+    fn memfd_backing_is_shared_with_the_file() {
+        use std::os::unix::fs::FileExt;
+        let ram = GuestRam::new(&MemoryConfig {
+            size_mib: 4,
+            backing: MemoryBacking::Memfd,
+            track_dirty_pages: false,
+        })
+        .unwrap();
+        ram.mem
+            .write_obj(0xdead_beef_u32, GuestAddress(0x1000))
+            .unwrap();
+        let mut buf = [0u8; 4];
+        ram.memfd
+            .as_ref()
+            .unwrap()
+            .read_exact_at(&mut buf, 0x1000)
+            .unwrap();
+        assert_eq!(u32::from_le_bytes(buf), 0xdead_beef);
+        assert_eq!(ram.size(), 4 << 20);
+    }
+}

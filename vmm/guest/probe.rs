@@ -737,5 +737,16 @@ extern "C" fn probe_main(pvh: u64, info: u64) -> ! {
         fail(0x20, "no virtio-blk device found");
     }
     puts("probe: PASS\n");
+    if find(bi.cmdline, b"probe.spin=1").is_some() {
+        // Keep running (for pause/resume tests): a heartbeat byte now and then.
+        loop {
+            putc(b'.');
+            let mut i = 0u32;
+            while i < 2000 {
+                unsafe { asm!("nop") };
+                i += 1;
+            }
+        }
+    }
     exit(0)
 }

@@ -97,6 +97,9 @@ impl ConsoleRing {
     }
 }
 
+/// A console output callback.
+pub type SerialCallback = Box<dyn FnMut(&[u8]) + Send>;
+
 /// Where console output goes besides the ring.
 pub enum SerialSink {
     /// Nowhere.
@@ -108,7 +111,7 @@ pub enum SerialSink {
     /// Line-buffered chunks sent on a channel.
     Channel(Sender<Vec<u8>>),
     /// Line-buffered chunks passed to a callback.
-    Callback(Box<dyn FnMut(&[u8]) + Send>),
+    Callback(SerialCallback),
 }
 
 impl fmt::Debug for SerialSink {
@@ -231,10 +234,11 @@ impl BusDevice for SerialDevice {
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
-        if data.len() == 1 && offset < 8 {
-            if let Err(e) = self.uart.write(offset as u8, data[0]) {
-                tracing::debug!(error = ?e, "serial write failed");
-            }
+        if data.len() == 1
+            && offset < 8
+            && let Err(e) = self.uart.write(offset as u8, data[0])
+        {
+            tracing::debug!(error = ?e, "serial write failed");
         }
     }
 }

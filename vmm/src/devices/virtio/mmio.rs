@@ -327,7 +327,7 @@ impl BusDevice for MmioTransport {
             self.device.read_config(offset - 0x100, data);
             return;
         }
-        let value = if data.len() == 4 && offset % 4 == 0 {
+        let value = if data.len() == 4 && offset.is_multiple_of(4) {
             self.read_reg(offset)
         } else {
             None
@@ -348,7 +348,7 @@ impl BusDevice for MmioTransport {
             return;
         }
         let ok = match <[u8; 4]>::try_from(data) {
-            Ok(b) if offset % 4 == 0 => self.write_reg(offset, u32::from_le_bytes(b)),
+            Ok(b) if offset.is_multiple_of(4) => self.write_reg(offset, u32::from_le_bytes(b)),
             _ => false,
         };
         if !ok {

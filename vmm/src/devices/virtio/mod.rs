@@ -3,6 +3,8 @@
 
 pub mod block;
 pub mod mmio;
+#[doc(hidden)]
+pub mod test_utils;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};

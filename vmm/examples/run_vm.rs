@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: Apache-2.0
+//! Boots a kernel with sheaf-vmm, console on stdout:
+//! `run_vm KERNEL [INITRAMFS|-] [CMDLINE] [DISK...]` (env: MEM_MIB, VCPUS).
+#![allow(clippy::unwrap_used)]
+
+use sheaf_vmm::{SerialConfig, Vm, VmConfig};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let env = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let mut cfg = VmConfig::builder()
+        .kernel(
+            args.first()
+                .ok_or("usage: run_vm KERNEL [INITRAMFS|-] [CMDLINE] [DISK...]")?,
+        )
+        .cmdline(args.get(2).map_or("console=ttyS0", |s| s.as_str()))
+        .memory_mib(env("MEM_MIB", 256))
+        .vcpus(env("VCPUS", 1) as u8)
+        .serial(SerialConfig::Stdout);
+    if let Some(i) = args.get(1).filter(|s| *s != "-") {
+        cfg = cfg.initramfs(i);
+    }
+    for d in args.iter().skip(3) {
+        cfg = cfg.disk(d);
+    }
+    let vm = Vm::new(cfg.build()?)?;
+    vm.start()?;
+    let reason = vm.wait();
+    eprintln!("sheaf-vmm: guest exited: {reason:?} ({:?})", vm.metrics());
+    std::process::exit(if reason.is_clean() { 0 } else { 1 });
+}

@@ -27,6 +27,9 @@ pub struct Unschedulable {
     pub subject: String,
     /// Number of nodes in the snapshot.
     pub total_nodes: u32,
+    /// Nodes that could be used (0 for a VM; for replicas, fewer than needed).
+    #[serde(default)]
+    pub available_nodes: u32,
     /// Reasons with their node counts.
     pub reasons: Vec<ReasonCount>,
     /// What preemption found, when it ran or was not allowed.
@@ -52,6 +55,7 @@ impl Unschedulable {
         Self {
             subject: subject.into(),
             total_nodes,
+            available_nodes: 0,
             reasons,
             preemption: None,
             note: None,
@@ -90,7 +94,8 @@ impl fmt::Display for Unschedulable {
         } else {
             write!(
                 f,
-                "0/{} nodes are available: {}.",
+                "{}/{} nodes are available: {}.",
+                self.available_nodes,
                 self.total_nodes,
                 join_reasons(&self.reasons)
             )?;

@@ -8,6 +8,11 @@ use std::collections::HashMap;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Sym(pub(crate) u32);
 
+impl Sym {
+    /// Stands for a string that was never interned.
+    pub(crate) const UNKNOWN: Sym = Sym(u32::MAX);
+}
+
 /// Maps strings to [`Sym`]s and back. Symbols are never freed: the set of
 /// distinct label keys and values in a cluster is small and stable.
 #[derive(Clone, Debug, Default)]

@@ -149,7 +149,7 @@ impl Scheduler {
                 snap.node_count() as u32,
                 reasons,
             );
-            u.preemption = None;
+            u.available_nodes = placed;
             u.note = Some(format!(
                 "{placed} of {needed} new replica(s) could be placed on distinct nodes"
             ));

@@ -495,13 +495,19 @@ impl Scheduler {
     }
 }
 
-/// The request's labels as symbols (labels no node or VM uses are dropped:
-/// no selector can name them).
-fn request_labels(snap: &ClusterSnapshot, req: &Request) -> Labels {
+/// The request's labels as symbols. A value no node or VM uses maps to
+/// [`Sym::UNKNOWN`]: no `In` matches it, but `Exists` and `DoesNotExist`
+/// still see the key. A key nobody uses is dropped (no selector names it).
+pub(crate) fn request_labels(snap: &ClusterSnapshot, req: &Request) -> Labels {
     let mut v: Vec<(Sym, Sym)> = req
         .labels
         .iter()
-        .filter_map(|(k, v)| Some((snap.interner.get(k)?, snap.interner.get(v)?)))
+        .filter_map(|(k, v)| {
+            Some((
+                snap.interner.get(k)?,
+                snap.interner.get(v).unwrap_or(Sym::UNKNOWN),
+            ))
+        })
         .collect();
     v.sort_unstable();
     v

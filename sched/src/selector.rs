@@ -110,6 +110,27 @@ impl CReq {
     }
 }
 
+/// Whether a plain label map satisfies `sel` (string comparison; used for a
+/// request's own labels, which may not be interned yet).
+pub(crate) fn matches_map(sel: &LabelSelector, labels: &BTreeMap<String, String>) -> bool {
+    sel.match_labels
+        .iter()
+        .all(|(k, v)| labels.get(k) == Some(v))
+        && sel.match_expressions.iter().all(|e| {
+            let val = labels.get(&e.key);
+            let num = |v: Option<&String>| v.and_then(|v| v.parse::<i64>().ok());
+            let bound = || e.values.first().and_then(|v| v.parse::<i64>().ok());
+            match e.operator {
+                Operator::In => val.is_some_and(|v| e.values.contains(v)),
+                Operator::NotIn => val.is_none_or(|v| !e.values.contains(v)),
+                Operator::Exists => val.is_some(),
+                Operator::DoesNotExist => val.is_none(),
+                Operator::Gt => matches!((num(val), bound()), (Some(x), Some(b)) if x > b),
+                Operator::Lt => matches!((num(val), bound()), (Some(x), Some(b)) if x < b),
+            }
+        })
+}
+
 fn compile(
     match_labels: &BTreeMap<String, String>,
     exprs: &[Requirement],

@@ -11,7 +11,7 @@ use crate::framework::{
     PreScorePlugin, PreScoreResult, Reason, ScorePlugin, min_max_normalize,
 };
 use crate::plugins::{column_for, count_matching};
-use crate::selector::CSelector;
+use crate::selector::{CSelector, matches_map};
 use crate::snapshot::{ClusterSnapshot, NO_DOMAIN, NodeInfo, VmInfo};
 use crate::types::VmAffinityTerm;
 
@@ -155,7 +155,7 @@ impl PreFilterPlugin for InterVmAffinity {
         for t in &req.affinity.required {
             let (tc, n) = TermCounts::new(snap, t, 0);
             total += n;
-            self_match &= tc.selector.matches(cx.labels, &snap.interner);
+            self_match &= matches_map(&t.selector, &req.labels);
             st.affinity.push(tc);
         }
         st.affinity_self_ok = total == 0 && self_match;

@@ -8,7 +8,7 @@ use crate::framework::{
 };
 use crate::plugins::count_matching;
 use crate::plugins::node_affinity::RequiredNodeAffinity;
-use crate::selector::CSelector;
+use crate::selector::{CSelector, matches_map};
 use crate::snapshot::{ClusterSnapshot, NO_DOMAIN, NodeInfo, VmInfo};
 use crate::types::{TopologySpreadConstraint, WhenUnsatisfiable};
 
@@ -69,7 +69,7 @@ fn build(cx: &Ctx<'_>, cons: &[&TopologySpreadConstraint]) -> SpreadState {
     let mut out = Vec::with_capacity(cons.len());
     for c in cons {
         let selector = CSelector::lookup(&snap.interner, &c.selector);
-        let self_match = u32::from(selector.matches(cx.labels, &snap.interner));
+        let self_match = u32::from(matches_map(&c.selector, &cx.request.labels));
         let col = snap
             .interner
             .get(&c.topology_key)

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 //! Boots a kernel with sheaf-vmm, console on stdout:
-//! `run_vm KERNEL [INITRAMFS|-] [CMDLINE] [DISK...]` (env: MEM_MIB, VCPUS).
+//! `run_vm KERNEL [INITRAMFS|-] [CMDLINE] [DISK...]` (env: MEM_MIB, VCPUS,
+//! VIRTIO_CMDLINE=1 to also list virtio-mmio devices on the command line).
 #![allow(clippy::unwrap_used)]
 
 use sheaf_vmm::{SerialConfig, Vm, VmConfig};
@@ -21,6 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .cmdline(args.get(2).map_or("console=ttyS0", |s| s.as_str()))
         .memory_mib(env("MEM_MIB", 256))
         .vcpus(env("VCPUS", 1) as u8)
+        .cmdline_virtio_devices(std::env::var("VIRTIO_CMDLINE").is_ok_and(|v| v == "1"))
         .serial(SerialConfig::Stdout);
     if let Some(i) = args.get(1).filter(|s| *s != "-") {
         cfg = cfg.initramfs(i);

@@ -330,3 +330,6 @@ fn to_value<K: Resource>(obj: &K) -> StoreResult<Value> {
 fn from_value<K: Resource>(v: Value) -> StoreResult<K> {
     serde_json::from_value(v).map_err(|e| StoreError::Backend(format!("stored object does not decode: {e}")))
 }
+
+#[cfg(test)]
+mod tests;

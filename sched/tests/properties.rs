@@ -17,7 +17,10 @@ use sheaf_sched::{
 const GIB: u64 = 1 << 30;
 const APPS: [&str; 3] = ["web", "db", "cache"];
 
-fn node_strategy() -> impl Strategy<Value = (u64, u64, u8, bool, u8, u32, bool, u64)> {
+/// (cores, GiB, zone, ssd, taint kind, max VMs, cordoned, disk GiB)
+type NodeSpec = (u64, u64, u8, bool, u8, u32, bool, u64);
+
+fn node_strategy() -> impl Strategy<Value = NodeSpec> {
     (
         1u64..16,                  // cores
         1u64..32,                  // GiB
@@ -30,7 +33,7 @@ fn node_strategy() -> impl Strategy<Value = (u64, u64, u8, bool, u8, u32, bool, 
     )
 }
 
-fn build_nodes(specs: &[(u64, u64, u8, bool, u8, u32, bool, u64)]) -> Vec<Node> {
+fn build_nodes(specs: &[NodeSpec]) -> Vec<Node> {
     specs
         .iter()
         .enumerate()

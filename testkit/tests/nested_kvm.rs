@@ -1,0 +1,109 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The nested-KVM box: a static KVM program runs inside L1 with a real
+//! `/dev/kvm`, and files travel in and out.
+
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+use std::time::Duration;
+
+use sheaf_testkit::nested::NestedBox;
+use sheaf_testkit::static_build;
+
+/// The probe on the host's own KVM (fast; no box).
+#[test]
+fn kvm_probe_on_host_kvm() {
+    if !std::path::Path::new("/dev/kvm").exists() {
+        eprintln!("no /dev/kvm on this host; skipping");
+        return;
+    }
+    let probe = static_build::build_example("sheaf-testkit", "kvm_probe").unwrap();
+    let out = Command::new(&probe)
+        .args(["--exits", "100"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("KVM_PROBE: OK exits=104"), "{stdout}");
+}
+
+#[test]
+fn kvm_probe_runs_in_the_nested_box() {
+    if sheaf_testkit::skip_slow("kvm_probe_runs_in_the_nested_box") {
+        return;
+    }
+    let probe = static_build::build_example("sheaf-testkit", "kvm_probe").unwrap();
+    let out = NestedBox::new()
+        .memory_mib(1024)
+        .timeout(Duration::from_secs(240))
+        .run(&probe, ["--exits", "200"])
+        .unwrap();
+    assert!(out.success(), "status {}: {}", out.exit_status, out.output);
+    assert!(
+        out.output.contains("KVM_PROBE: serial=\"K\\n\""),
+        "{}",
+        out.output
+    );
+    assert!(
+        out.output.contains("KVM_PROBE: OK exits=204"),
+        "{}",
+        out.output
+    );
+    let t = out.timings;
+    eprintln!(
+        "nested box: L1 init {:?}, /dev/kvm {:?}, program start {:?} (L1 uptime {:?} s), \
+         program ran {:?}, total {:?}",
+        t.l1_init,
+        t.kvm_ready,
+        t.program_start,
+        t.l1_uptime_at_start,
+        t.program_runtime(),
+        t.total
+    );
+    eprintln!("{}", out.output.trim_end());
+    assert!(t.kvm_ready.is_some());
+    assert!(t.program_start >= t.kvm_ready.unwrap_or_default());
+}
+
+/// Files in, files out, environment and exit status, with busybox (static)
+/// as the program.
+#[test]
+fn files_travel_in_and_out_of_the_box() {
+    if sheaf_testkit::skip_slow("files_travel_in_and_out_of_the_box") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let script = "set -e\n\
+        test -c /dev/kvm\n\
+        cat input/hello.txt > $SHEAF_OUT/copy.txt\n\
+        echo \"$GREETING\" >> $SHEAF_OUT/copy.txt\n\
+        printf 'written-in-L1' | dd of=disk.img bs=1 seek=4096 conv=notrunc 2>/dev/null\n\
+        echo to-stdout; echo to-stderr >&2\n\
+        exit 3\n";
+    let out = NestedBox::new()
+        .memory_mib(512)
+        .timeout(Duration::from_secs(240))
+        .file("disk.img", &disk)
+        .file_bytes("input/hello.txt", "hello from the host\n", 0o644)
+        .file_bytes("script.sh", script, 0o755)
+        .collect("disk.img")
+        .collect("not-there")
+        .env("GREETING", "it's me")
+        .require_kvm(true)
+        .run("/bin/busybox", ["sh", "script.sh"])
+        .unwrap();
+    assert_eq!(out.exit_status, 3, "{}\n{}", out.output, out.console);
+    assert!(out.output.contains("to-stdout\n"), "{}", out.output);
+    assert!(out.output.contains("to-stderr\n"), "{}", out.output);
+    assert_eq!(
+        String::from_utf8(out.read_file("out/copy.txt").unwrap()).unwrap(),
+        "hello from the host\nit's me\n"
+    );
+    let disk_out = out.read_file("disk.img").unwrap();
+    assert_eq!(disk_out.len(), 1 << 20);
+    assert_eq!(&disk_out[4096..4096 + 13], b"written-in-L1");
+    assert!(out.file("not-there").is_none());
+    eprintln!("box total {:?}", out.timings.total);
+}

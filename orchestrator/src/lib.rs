@@ -15,3 +15,4 @@
 
 pub mod resources;
 pub mod store;
+pub mod api;

@@ -518,6 +518,7 @@ struct Filter {
     namespace: Option<String>,
     labels: super::LabelSelector,
     fields: super::FieldSelector,
+    progress: bool,
 }
 
 impl Filter {
@@ -536,6 +537,7 @@ impl Filter {
         let type_ = match ev.type_ {
             EventType::Added => now_m.then_some(EventType::Added)?,
             EventType::Deleted => now_m.then_some(EventType::Deleted)?,
+            EventType::Bookmark => return None,
             EventType::Modified => {
                 let was = ev.prev.as_ref().is_some_and(|p| self.matches(p));
                 match (was, now_m) {
@@ -635,7 +637,7 @@ impl<B: Backend> Core<B> {
         let start = opts.continue_token.as_deref().map(decode_continue).transpose()?;
         let st = self.lock();
         let lo = (gk.group.clone(), gk.kind.clone(), ns.unwrap_or("").to_string(), String::new());
-        let filter = Filter { gk: gk.clone(), namespace: ns.map(str::to_string), labels: opts.labels.clone(), fields: opts.fields.clone() };
+        let filter = Filter { gk: gk.clone(), namespace: ns.map(str::to_string), labels: opts.labels.clone(), fields: opts.fields.clone(), progress: false };
         let mut items = Vec::new();
         let mut last_key = None;
         let mut remaining = 0u64;
@@ -676,7 +678,13 @@ impl<B: Backend> Core<B> {
     }
 
     pub fn watch(self: &Arc<Self>, gk: &GroupKind, ns: Option<&str>, opts: &WatchOptions) -> StoreResult<WatchStream> {
-        let filter = Filter { gk: gk.clone(), namespace: ns.map(str::to_string), labels: opts.labels.clone(), fields: opts.fields.clone() };
+        let filter = Filter {
+            gk: gk.clone(),
+            namespace: ns.map(str::to_string),
+            labels: opts.labels.clone(),
+            fields: opts.fields.clone(),
+            progress: opts.progress,
+        };
         let mut rx = self.notify.subscribe();
         rx.borrow_and_update();
         let (pending, last_rv) = {
@@ -727,6 +735,9 @@ impl<B: Backend> Core<B> {
                         if let Some(out) = w.filter.translate(ev) {
                             w.pending.push_back(out);
                         }
+                    }
+                    if w.filter.progress && st.rv > w.last_rv {
+                        w.pending.push_back(WatchEvent { type_: EventType::Bookmark, object: Value::Null, resource_version: st.rv });
                     }
                     w.last_rv = w.last_rv.max(st.rv);
                 }

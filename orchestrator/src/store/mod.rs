@@ -204,6 +204,9 @@ pub struct WatchOptions {
     pub labels: LabelSelector,
     /// Field selector.
     pub fields: FieldSelector,
+    /// Also yield [`EventType::Bookmark`] progress markers: every event up to
+    /// their resourceVersion has been delivered (for watch bookmarks).
+    pub progress: bool,
 }
 
 /// Type of a watch event.
@@ -215,6 +218,8 @@ pub enum EventType {
     Modified,
     /// Removed (or stopped matching the selectors).
     Deleted,
+    /// Progress marker (only with [`WatchOptions::progress`]); `object` is null.
+    Bookmark,
 }
 
 impl EventType {
@@ -224,6 +229,7 @@ impl EventType {
             Self::Added => "ADDED",
             Self::Modified => "MODIFIED",
             Self::Deleted => "DELETED",
+            Self::Bookmark => "BOOKMARK",
         }
     }
 }

@@ -1,0 +1,78 @@
+// SPDX-License-Identifier: Apache-2.0
+//! Bearer-token authentication and the read-only role.
+
+use axum::extract::{Request, State};
+use axum::http::Method;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use super::{ApiError, ApiState};
+
+/// Who a request runs as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Everything.
+    Admin,
+    /// Reads only.
+    ReadOnly,
+}
+
+/// Compares in time independent of where the first difference is.
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The role of a bearer token, if it is known.
+pub fn role_of(state: &ApiState, token: &str) -> Option<Role> {
+    if ct_eq(token.as_bytes(), state.tokens.admin.as_bytes()) {
+        Some(Role::Admin)
+    } else if state.readonly_enabled && ct_eq(token.as_bytes(), state.tokens.readonly.as_bytes()) {
+        Some(Role::ReadOnly)
+    } else {
+        None
+    }
+}
+
+/// Paths served without authentication.
+fn is_public(path: &str) -> bool {
+    matches!(path, "/healthz" | "/livez" | "/readyz")
+}
+
+/// Middleware: 401 without a valid token, 403 for writes by the read-only role.
+pub async fn authenticate(State(state): State<ApiState>, req: Request, next: Next) -> Response {
+    if is_public(req.uri().path()) {
+        return next.run(req).await;
+    }
+    let token = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim);
+    let Some(role) = token.and_then(|t| role_of(&state, t)) else {
+        tracing::debug!(path = %req.uri().path(), "refused unauthenticated request");
+        return ApiError::unauthorized().into_response();
+    };
+    if role == Role::ReadOnly && !matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        let msg = format!(
+            "User \"sheaf-readonly\" cannot {} resource at {}: the read-only role may only get, list and watch",
+            req.method().as_str().to_lowercase(),
+            req.uri().path()
+        );
+        return ApiError::forbidden(msg).into_response();
+    }
+    next.run(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn constant_time_compare() {
+        assert!(super::ct_eq(b"abc", b"abc"));
+        assert!(!super::ct_eq(b"abc", b"abd"));
+        assert!(!super::ct_eq(b"abc", b"ab"));
+    }
+}

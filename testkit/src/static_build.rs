@@ -147,6 +147,7 @@ impl StaticBuild {
         }
         let mut cmd = Command::new(&cargo);
         cmd.args(&args)
+            .current_dir(workspace_root())
             .env("RUSTFLAGS", "-C target-feature=+crt-static")
             .env_remove("CARGO_ENCODED_RUSTFLAGS")
             .env_remove("CARGO_TARGET_DIR")

@@ -51,14 +51,6 @@ fn guest_image_boots_on_pc() {
 }
 
 #[test]
-fn guest_image_boots_on_microvm() {
-    if sheaf_testkit::skip_slow("guest_image_boots_on_microvm") {
-        return;
-    }
-    boot(Machine::Microvm);
-}
-
-#[test]
 fn custom_script_replaces_the_default() {
     if sheaf_testkit::skip_slow("custom_script_replaces_the_default") {
         return;

@@ -361,21 +361,17 @@ impl Scheduler {
                     }
                 }
             };
+            // Visit [start, end) then [0, start) without a division per node.
             match &candidates {
                 None => {
-                    for k in 0..slots {
-                        if visit(((start + k) % slots) as u32) {
-                            break;
-                        }
-                    }
+                    let _ = (start..slots).chain(0..start).any(|s| visit(s as u32));
                 }
                 Some(list) => {
                     let first = list.partition_point(|&s| (s as usize) < start);
-                    for k in 0..list.len() {
-                        if visit(list[(first + k) % list.len()]) {
-                            break;
-                        }
-                    }
+                    let _ = list[first..]
+                        .iter()
+                        .chain(&list[..first])
+                        .any(|&s| visit(s));
                 }
             }
             *next_start = (start + evaluated) % slots;

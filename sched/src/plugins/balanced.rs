@@ -28,7 +28,7 @@ fn permille(used: u64, cap: u64) -> i64 {
     if cap == 0 {
         return 1000;
     }
-    (u128::from(used.min(cap)) * 1000 / u128::from(cap)) as i64
+    crate::plugins::ratio(used.min(cap), cap, 1000) as i64
 }
 
 impl ScorePlugin for BalancedAllocation {

@@ -99,6 +99,19 @@ pub(crate) fn count_matching(
     (counts, total)
 }
 
+/// `part * scale / whole` for `part <= whole`, in u64 when it cannot
+/// overflow (always, for real machine sizes), else in u128.
+#[inline]
+pub(crate) fn ratio(part: u64, whole: u64, scale: u64) -> u64 {
+    if whole == 0 {
+        return 0;
+    }
+    match part.checked_mul(scale) {
+        Some(p) => p / whole,
+        None => (u128::from(part) * u128::from(scale) / u128::from(whole)) as u64,
+    }
+}
+
 /// Column index of a topology key given as a string.
 pub(crate) fn column_for(snap: &ClusterSnapshot, key: &str) -> Option<(Sym, usize)> {
     let k = snap.interner.get(key)?;

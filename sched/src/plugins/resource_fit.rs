@@ -118,8 +118,7 @@ fn fraction_score(used: u64, cap: u64, most: bool) -> i64 {
     if cap == 0 {
         return 0;
     }
-    let used = used.min(cap);
-    let pct = (u128::from(used) * MAX_NODE_SCORE as u128 / u128::from(cap)) as i64;
+    let pct = crate::plugins::ratio(used.min(cap), cap, MAX_NODE_SCORE as u64) as i64;
     if most { pct } else { MAX_NODE_SCORE - pct }
 }
 

@@ -19,13 +19,13 @@
 //!   and zone topology spread (max skew 1).
 //! - `preempt`: 5,000 full nodes (4 x 1-CPU low-priority VMs each), then
 //!   5,000 high-priority 1-CPU VMs that each must preempt one.
+//! - `c1m`: 1,000,000 VMs (250m, 1 GiB) onto 5,000 nodes (64 CPU, 256 GiB,
+//!   250 VMs) in 10 zones (Nomad's C1M shape).
+//!
 //! `decisions/s` divides by the thread's CPU time (from
 //! `/proc/thread-self/schedstat`), so it is the one-core rate even on a
 //! shared machine; `wall` and the latency percentiles are wall-clock and
 //! include time the thread waited for a CPU.
-//!
-//! - `c1m`: 1,000,000 VMs (250m, 1 GiB) onto 5,000 nodes (64 CPU, 256 GiB,
-//!   250 VMs); reports the wall time.
 #![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};

@@ -1,12 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 //! The crate's error type.
 
+use std::fmt;
 use std::io;
 use std::path::PathBuf;
 use std::time::Duration;
 
 /// Errors from building guest images, running QEMU and the nested-KVM box.
-#[derive(Debug, thiserror::Error)]
+///
+/// `Debug` prints the message and its sources (console tails with real line
+/// breaks), so a test's `.unwrap()` shows something readable.
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum TestkitError {
     /// A host tool the harness needs is not installed.
@@ -34,13 +38,13 @@ pub enum TestkitError {
         version: String,
     },
     /// busybox is not statically linked (the `busybox` package instead of `busybox-static`).
-    #[error("{path} is dynamically linked: install busybox-static (scripts/setup)")]
+    #[error("{} is dynamically linked: install busybox-static (scripts/setup)", path.display())]
     BusyboxNotStatic {
         /// Path of the busybox binary.
         path: PathBuf,
     },
     /// An I/O operation on a path failed.
-    #[error("{op} {path}")]
+    #[error("{op} {}", path.display())]
     Io {
         /// What was being done.
         op: &'static str,
@@ -90,7 +94,7 @@ pub enum TestkitError {
         target: String,
     },
     /// A built program is not statically linked.
-    #[error("{path} is not statically linked")]
+    #[error("{} is not statically linked", path.display())]
     NotStatic {
         /// The program.
         path: PathBuf,
@@ -128,6 +132,18 @@ pub enum TestkitError {
     FilesOut(#[source] io::Error),
 }
 
+impl fmt::Debug for TestkitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{self}")?;
+        let mut source = std::error::Error::source(self);
+        while let Some(s) = source {
+            write!(f, ": {s}")?;
+            source = s.source();
+        }
+        Ok(())
+    }
+}
+
 /// Result alias for this crate.
 pub type Result<T> = std::result::Result<T, TestkitError>;
 
@@ -138,4 +154,20 @@ pub(crate) fn io_err(
 ) -> impl FnOnce(io::Error) -> TestkitError {
     let path = path.into();
     move |source| TestkitError::Io { op, path, source }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_shows_message_and_source() {
+        let e = io_err("read", "/x")(io::Error::other("boom"));
+        assert_eq!(format!("{e:?}"), "read /x: boom");
+        let e = TestkitError::ToolMissing {
+            tool: "qemu-system-x86_64".into(),
+            why: "tests",
+        };
+        assert!(format!("{e:?}").contains("run scripts/setup"));
+    }
 }

@@ -71,9 +71,9 @@ pub const DEFAULT_CMDLINE: &str = "console=ttyS0 quiet panic=-1";
 /// A built guest image in the cache.
 #[derive(Debug, Clone)]
 pub struct GuestImage {
-    /// The cache directory holding this image.
+    /// The cache directory holding this image's initramfs.
     pub dir: PathBuf,
-    /// The kernel (bzImage), copied into the cache directory.
+    /// The kernel (bzImage), copied into the cache (`$SHEAF_CACHE/kernel/…`).
     pub kernel: PathBuf,
     /// The gzip-compressed cpio initramfs.
     pub initramfs: PathBuf,
@@ -93,9 +93,12 @@ impl GuestImage {
     }
 
     /// The vmlinux ELF extracted from the bzImage (for ELF/PVH boot),
-    /// extracted on first use and cached next to the image.
+    /// extracted on first use and cached next to the cached bzImage.
     pub fn vmlinux(&self) -> Result<PathBuf> {
-        let path = self.dir.join("vmlinux");
+        let path = self
+            .kernel
+            .parent()
+            .map_or_else(|| self.dir.join("vmlinux"), |d| d.join("vmlinux"));
         if !path.is_file() {
             extract_vmlinux_file(&self.kernel, &path)?;
         }
@@ -284,5 +287,49 @@ mod tests {
         f.write_all(b"SHEAF-REPLY:m1\n").unwrap();
         assert_eq!(read_reply(&disk).unwrap().as_deref(), Some("m1"));
         assert_eq!(fs::metadata(&disk).unwrap().len(), 1 << 20);
+    }
+
+    /// Content-addressed cache: same inputs reuse the directory, a new
+    /// script gets a new one, and the kernel copy is shared.
+    #[test]
+    fn cache_reuse_and_invalidation() {
+        let Ok(kernel) = HostKernel::find() else {
+            eprintln!("no cloud kernel installed; skipping (scripts/setup installs it)");
+            return;
+        };
+        if fs::File::open(&kernel.vmlinuz).is_err() {
+            eprintln!("{} unreadable; skipping", kernel.vmlinuz.display());
+            return;
+        }
+        let cache = tempfile::tempdir().unwrap();
+        let build = |script: &str| {
+            GuestImage::builder()
+                .kernel(kernel.clone())
+                .cache_dir(cache.path())
+                .script(script)
+                .build()
+                .unwrap()
+        };
+        let a = build("echo a\n");
+        let mtime = fs::metadata(&a.initramfs).unwrap().modified().unwrap();
+        let a2 = build("echo a\n");
+        assert_eq!(a.initramfs, a2.initramfs);
+        assert_eq!(
+            fs::metadata(&a2.initramfs).unwrap().modified().unwrap(),
+            mtime
+        );
+        let b = build("echo b\n");
+        assert_ne!(a.dir, b.dir);
+        assert_eq!(a.kernel, b.kernel);
+        assert!(a.kernel.starts_with(cache.path().join("kernel")));
+        // The initramfs holds the script, the modules in order, and busybox.
+        let mut gz = flate2::read::GzDecoder::new(fs::File::open(&b.initramfs).unwrap());
+        let mut cpio = Vec::new();
+        gz.read_to_end(&mut cpio).unwrap();
+        let text = String::from_utf8_lossy(&cpio);
+        assert!(text.contains("echo b\n"));
+        assert!(text.contains("lib/modules/sheaf/virtio_blk.ko"));
+        assert!(text.contains(&GUEST_MODULES.join("\n")));
+        assert!(text.contains("bin/busybox"));
     }
 }

@@ -4,8 +4,10 @@
 //! content-addressed cache directory.
 //!
 //! ```text
-//! $SHEAF_CACHE/<kind>/<kernel version>-<hash>/
+//! $SHEAF_CACHE/kernel/<kernel version>-<hash of bzImage>/
 //!     bzImage              copy of /boot/vmlinuz-<version>
+//!     vmlinux              extracted on demand (GuestImage::vmlinux)
+//! $SHEAF_CACHE/<kind>/<kernel version>-<hash>/          kind: guest, nested
 //!     initramfs.cpio.gz    busybox + modules + /init + /etc/sheaf/*
 //! ```
 //!
@@ -121,62 +123,25 @@ pub(crate) fn assemble(
     Ok(img)
 }
 
-/// Builds (or finds in the cache) an image of `kind` for `kernel`.
-pub(crate) fn build_cached(
-    cache: &Path,
-    kind: &str,
-    kernel: &HostKernel,
-    initramfs: &Initramfs,
-) -> Result<BuiltImage> {
-    let cpio = initramfs.to_cpio();
-    let bz = fs::read(&kernel.vmlinuz).map_err(|source| {
-        if source.kind() == std::io::ErrorKind::PermissionDenied {
-            TestkitError::Io {
-                op: "read guest kernel (run as root, or chmod a+r it)",
-                path: kernel.vmlinuz.clone(),
-                source,
-            }
-        } else {
-            TestkitError::Io {
-                op: "read guest kernel",
-                path: kernel.vmlinuz.clone(),
-                source,
-            }
-        }
-    })?;
-    let mut h = Sha256::new();
-    h.update(FORMAT);
-    h.update(kind);
-    h.update(&kernel.version);
-    h.update(Sha256::digest(&bz));
-    h.update(Sha256::digest(&cpio));
-    let digest = h.finalize();
-    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
-
-    let parent = cache.join(kind);
-    let dir = parent.join(format!("{}-{hex}", kernel.version));
-    let image = BuiltImage {
-        kernel: dir.join("bzImage"),
-        initramfs: dir.join("initramfs.cpio.gz"),
-        dir: dir.clone(),
-    };
-    if image.kernel.is_file() && image.initramfs.is_file() {
-        debug!(dir = %dir.display(), "image cached");
-        return Ok(image);
-    }
-    fs::create_dir_all(&parent).map_err(io_err("create cache dir", &parent))?;
+/// Creates `parent/name` atomically: fills a temporary sibling with `fill`,
+/// then renames it into place. If another process won the race, its
+/// directory is kept and ours is discarded.
+fn publish_dir(
+    parent: &Path,
+    name: &str,
+    fill: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
+    let dir = parent.join(name);
+    fs::create_dir_all(parent).map_err(io_err("create cache dir", parent))?;
     let tmp = tempfile::Builder::new()
         .prefix(".build-")
-        .tempdir_in(&parent)
-        .map_err(io_err("create temp dir in", &parent))?;
-    let tmp_kernel = tmp.path().join("bzImage");
-    fs::write(&tmp_kernel, &bz).map_err(io_err("write", &tmp_kernel))?;
-    initramfs.write_gz(&tmp.path().join("initramfs.cpio.gz"))?;
+        .tempdir_in(parent)
+        .map_err(io_err("create temp dir in", parent))?;
+    fill(tmp.path())?;
     let tmp_path = tmp.keep();
     match fs::rename(&tmp_path, &dir) {
-        Ok(()) => info!(dir = %dir.display(), "built {kind} image"),
-        Err(_) if image.initramfs.is_file() => {
-            // Another process built the same image first.
+        Ok(()) => info!(dir = %dir.display(), "added to the cache"),
+        Err(_) if dir.is_dir() => {
             let _ = fs::remove_dir_all(&tmp_path);
         }
         Err(e) => {
@@ -184,5 +149,63 @@ pub(crate) fn build_cached(
             return Err(io_err("rename into", &dir)(e));
         }
     }
+    Ok(dir)
+}
+
+fn short_hash(digest: &[u8]) -> String {
+    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Builds (or finds in the cache) an image of `kind` for `kernel`.
+pub(crate) fn build_cached(
+    cache: &Path,
+    kind: &str,
+    kernel: &HostKernel,
+    initramfs: &Initramfs,
+) -> Result<BuiltImage> {
+    let bz = fs::read(&kernel.vmlinuz).map_err(|source| TestkitError::Io {
+        op: if source.kind() == std::io::ErrorKind::PermissionDenied {
+            "read guest kernel (run as root, or chmod a+r it)"
+        } else {
+            "read guest kernel"
+        },
+        path: kernel.vmlinuz.clone(),
+        source,
+    })?;
+    let bz_hash = Sha256::digest(&bz);
+
+    // The kernel (and its vmlinux, extracted on demand) is shared by every
+    // image built on it.
+    let kernel_name = format!("{}-{}", kernel.version, short_hash(&bz_hash));
+    let kernel_dir = cache.join("kernel").join(&kernel_name);
+    if !kernel_dir.join("bzImage").is_file() {
+        publish_dir(&cache.join("kernel"), &kernel_name, |tmp| {
+            let p = tmp.join("bzImage");
+            fs::write(&p, &bz).map_err(io_err("write", &p))
+        })?;
+    }
+
+    let cpio = initramfs.to_cpio();
+    let mut h = Sha256::new();
+    h.update(FORMAT);
+    h.update(kind);
+    h.update(&kernel.version);
+    h.update(bz_hash);
+    h.update(Sha256::digest(&cpio));
+    let name = format!("{}-{}", kernel.version, short_hash(&h.finalize()));
+    let dir = cache.join(kind).join(&name);
+    let image = BuiltImage {
+        kernel: kernel_dir.join("bzImage"),
+        initramfs: dir.join("initramfs.cpio.gz"),
+        dir: dir.clone(),
+    };
+    if image.initramfs.is_file() {
+        debug!(dir = %dir.display(), "image cached");
+        return Ok(image);
+    }
+    publish_dir(&cache.join(kind), &name, |tmp| {
+        initramfs.write_gz(&tmp.join("initramfs.cpio.gz"))
+    })?;
+    info!(dir = %dir.display(), "built {kind} image");
     Ok(image)
 }

@@ -94,3 +94,37 @@ fn vmlinux_is_extracted_with_a_pvh_note() {
     let bytes = std::fs::read(vmlinux).unwrap();
     assert!(sheaf_testkit::kernel::elf::pvh_entry(&bytes).is_some());
 }
+
+/// A guest that does not finish in time: QEMU is killed, the error carries
+/// the console tail, and no QEMU process is left behind.
+#[test]
+fn timeout_kills_qemu() {
+    if sheaf_testkit::skip_slow("timeout_kills_qemu") {
+        return;
+    }
+    let image = GuestImage::build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("timeout-probe.img");
+    guest::create_disk(&disk, 1 << 20, "x").unwrap();
+    let t = Instant::now();
+    let err = Qemu::tcg()
+        .kernel(&image.kernel)
+        .initrd(&image.initramfs)
+        .append(guest::DEFAULT_CMDLINE)
+        .disk(&disk)
+        .timeout(Duration::from_secs(2))
+        .run()
+        .unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert!(
+        matches!(err, sheaf_testkit::TestkitError::Timeout { .. }),
+        "{err:?}"
+    );
+    let disk_arg = disk.display().to_string();
+    let leftover = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .any(|c| String::from_utf8_lossy(&c).contains(&disk_arg));
+    assert!(!leftover, "a qemu process with {disk_arg} is still running");
+}

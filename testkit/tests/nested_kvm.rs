@@ -10,9 +10,12 @@ use std::time::Duration;
 use sheaf_testkit::nested::NestedBox;
 use sheaf_testkit::static_build;
 
-/// The probe on the host's own KVM (fast; no box).
+/// The probe on the host's own KVM (no box, but a static build).
 #[test]
 fn kvm_probe_on_host_kvm() {
+    if sheaf_testkit::skip_slow("kvm_probe_on_host_kvm") {
+        return;
+    }
     if !std::path::Path::new("/dev/kvm").exists() {
         eprintln!("no /dev/kvm on this host; skipping");
         return;

@@ -28,6 +28,7 @@ set -- .sheaf-out out
 for f in $(cat /box/.sheaf/collect 2>/dev/null); do
     [ -e "$f" ] && set -- "$@" "$f"
 done
-tar -cf /dev/vdb "$@" || fail "cannot pack outputs to /dev/vdb"
+tar -cf /dev/vdb "$@" ||
+    fail "cannot pack outputs to /dev/vdb (too big? raise NestedBox::output_capacity_mib)"
 sync
 echo "$P FILES-OUT uptime=$(sheaf_uptime)"

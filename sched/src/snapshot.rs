@@ -165,6 +165,8 @@ pub(crate) struct TopoColumn {
     /// Domain id per node slot, or [`NO_DOMAIN`].
     pub(crate) domain_of: Vec<u32>,
     value_to_domain: HashMap<Sym, u32>,
+    /// Label value of each domain.
+    pub(crate) domain_values: Vec<Sym>,
     /// Live nodes per domain.
     pub(crate) nodes_per_domain: Vec<u32>,
 }
@@ -456,6 +458,23 @@ impl ClusterSnapshot {
             .ok_or_else(|| SchedError::UnknownNode { node: node.into() })
     }
 
+    /// Sorted slots of the live nodes in the given domains of column `col`
+    /// (from the `(key, value) -> nodes` index).
+    pub(crate) fn nodes_in_domains(&self, key: Sym, col: usize, domains: &[u32]) -> Vec<u32> {
+        let column = &self.columns[col];
+        let mut out: Vec<u32> = domains
+            .iter()
+            .filter_map(|&d| {
+                self.node_pairs
+                    .get(&(key, column.domain_values[d as usize]))
+            })
+            .flatten()
+            .copied()
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
     pub(crate) fn column_index(&self, key: Sym) -> Option<usize> {
         self.column_of.get(&key).copied()
     }
@@ -551,6 +570,7 @@ impl ClusterSnapshot {
             let d = *col.value_to_domain.entry(v).or_insert(next);
             if d == next {
                 col.nodes_per_domain.push(0);
+                col.domain_values.push(v);
             }
             col.nodes_per_domain[d as usize] += 1;
             col.domain_of[slot as usize] = d;

@@ -1,0 +1,2078 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The engine: one per attached volume, sans I/O.
+//!
+//! The driver (the tokio transport, the in-process transport or the
+//! simulator) feeds it client operations ([`Engine::submit`]), replica
+//! responses ([`Engine::step`]) and time ([`Engine::tick`]), and drains
+//! [`Output`]s: requests to send and client completions. Nothing here does
+//! I/O or reads a clock, so every run is reproducible.
+//!
+//! Rules (see `docs/blockrepl.md` for the argument):
+//!
+//! * **Attach** probes replicas, takes epoch `max + 1` and needs
+//!   `R = N - W + 1` clean replicas to accept it (`W` = `min_write_replicas`);
+//!   any two such sets, and any attach set and write set, intersect. The
+//!   source is the clean replica with the highest position `(epoch, index)`;
+//!   replicas at that position are *active*, every other one is rebuilt.
+//! * **Writes** get consecutive indexes and go to every active and
+//!   rebuilding replica; a write completes when every active replica has
+//!   applied every write up to it and at least `W` replicas are active.
+//! * **Reads** go to one active replica; `W` replicas must confirm the
+//!   epoch after the read started (read fencing), and reads never overlap
+//!   an unfinished write (no dirty reads).
+//! * A replica that times out, refuses or faults leaves the active set and
+//!   is rebuilt (incrementally: only blocks whose tags differ are copied).
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+use tracing::{debug, info, warn};
+
+use crate::error::Error;
+use crate::proto::msg::{CopyEntry, MAX_IO_BLOCKS, Op, Refusal, ReqFrame, Request, Response};
+use crate::types::{
+    BLOCK_SIZE, BlockTag, LayerInfo, MAX_LAYERS, MAX_NAME_LEN, ReplicaInfo, ReplicaState, Tag,
+};
+
+/// Index of a replica in [`EngineConfig::replicas`] order.
+pub type ReplicaId = usize;
+/// Identifies a client operation.
+pub type OpId = u64;
+
+/// What to do with writes when fewer than `min_write_replicas` are in sync.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuorumLossPolicy {
+    /// Hold writes until enough replicas are back (the VM sees a stall).
+    Suspend,
+    /// Fail writes with [`Error::QuorumLost`].
+    Fail,
+}
+
+/// Engine configuration.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Number of replicas `N`.
+    pub replicas: usize,
+    /// `W`: writes need this many replicas in sync (default 2 of 3).
+    pub min_write_replicas: usize,
+    /// This engine's id (unique per attach).
+    pub engine_id: u64,
+    /// Lowest epoch to take (an orchestrator may pass its own counter).
+    pub min_epoch: u64,
+    /// Ticks before an unanswered request fails its replica.
+    pub request_timeout: u64,
+    /// Ticks between attempts to bring a failed replica back.
+    pub rejoin_interval: u64,
+    /// Client operations in flight at most (more are queued).
+    pub max_inflight: usize,
+    /// Queued operations at most (more are refused).
+    pub max_queued: usize,
+    /// Behaviour below `min_write_replicas`.
+    pub on_quorum_loss: QuorumLossPolicy,
+    /// Blocks per rebuild chunk.
+    pub rebuild_chunk: u32,
+    /// Rebuild chunks in flight per rebuild.
+    pub rebuild_parallel: usize,
+    /// Deliberate protocol bugs, for proving that the simulator's oracle
+    /// catches them. Never set outside tests.
+    pub bugs: Bugs,
+}
+
+/// Deliberate protocol bugs (test-only knobs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bugs {
+    /// Acknowledge a write once any one replica has it.
+    pub ack_on_first_replica: bool,
+    /// Complete reads without confirming the epoch on `W` replicas.
+    pub skip_read_fencing: bool,
+    /// Pick the rebuild source by lowest replica id instead of position.
+    pub source_by_id: bool,
+}
+
+impl EngineConfig {
+    /// A configuration for `replicas` replicas with `W = min(2, N)`.
+    pub fn new(replicas: usize, engine_id: u64) -> EngineConfig {
+        EngineConfig {
+            replicas,
+            min_write_replicas: replicas.min(2),
+            engine_id,
+            min_epoch: 0,
+            request_timeout: 50,
+            rejoin_interval: 20,
+            max_inflight: 64,
+            max_queued: 4096,
+            on_quorum_loss: QuorumLossPolicy::Suspend,
+            rebuild_chunk: 64,
+            rebuild_parallel: 4,
+            bugs: Bugs::default(),
+        }
+    }
+}
+
+/// A client operation.
+#[derive(Clone, Debug)]
+pub enum ClientOp {
+    /// Read `blocks` blocks at `lba`.
+    Read {
+        /// First block.
+        lba: u64,
+        /// Number of blocks.
+        blocks: u32,
+    },
+    /// Write whole blocks.
+    Write {
+        /// First block.
+        lba: u64,
+        /// Data (a multiple of 4096 bytes).
+        data: Bytes,
+    },
+    /// Write zeros / trim (reads return zeros afterwards).
+    Zero {
+        /// First block.
+        lba: u64,
+        /// Number of blocks.
+        blocks: u32,
+    },
+    /// Make every completed write durable on every active replica.
+    Flush,
+    /// Take a crash-consistent snapshot.
+    Snapshot {
+        /// Snapshot name.
+        name: String,
+    },
+    /// Delete a snapshot (its blocks merge into the next layer).
+    DeleteSnapshot {
+        /// Snapshot name.
+        name: String,
+    },
+    /// Revert the volume to a snapshot (later snapshots are dropped).
+    Revert {
+        /// Snapshot name.
+        name: String,
+    },
+    /// Grow the volume.
+    Resize {
+        /// New size in blocks.
+        size_blocks: u64,
+    },
+    /// Verify every block on every active replica and repair bad copies.
+    Scrub,
+    /// Flush, release the replicas and stop.
+    Detach,
+}
+
+/// Result of a successful operation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OpOutput {
+    /// Nothing to return.
+    Done,
+    /// Read data.
+    Data(Bytes),
+    /// Scrub outcome.
+    Scrub(ScrubReport),
+}
+
+/// What a scrub found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ScrubReport {
+    /// Block copies verified.
+    pub checked: u64,
+    /// Copies that failed verification.
+    pub bad: u64,
+    /// Copies repaired from a peer.
+    pub repaired: u64,
+    /// Blocks whose tags differed between active replicas.
+    pub divergent: u64,
+}
+
+/// Something the driver must do.
+#[derive(Debug)]
+pub enum Output {
+    /// Send a request to a replica.
+    Send {
+        /// Destination.
+        to: ReplicaId,
+        /// The request.
+        frame: ReqFrame,
+    },
+    /// An operation finished.
+    Complete {
+        /// Operation id from [`Engine::submit`].
+        id: OpId,
+        /// Outcome.
+        result: Result<OpOutput, Error>,
+    },
+}
+
+/// Engine lifecycle phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Probing replicas for their epochs and positions.
+    Probing,
+    /// Waiting for enough replicas to accept the epoch.
+    Attaching,
+    /// Serving I/O.
+    Running,
+    /// A newer engine took over; everything fails.
+    Fenced,
+    /// Detached.
+    Detached,
+}
+
+/// A snapshot as the engine knows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    /// Name.
+    pub name: String,
+    /// Layer id.
+    pub layer: u64,
+    /// Position at which it was taken.
+    pub created: Tag,
+}
+
+/// Engine status for monitoring.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineStatus {
+    /// Phase.
+    pub phase: Phase,
+    /// Epoch held (0 before attach).
+    pub epoch: u64,
+    /// Last issued tag.
+    pub position: Tag,
+    /// Volume size in blocks.
+    pub size_blocks: u64,
+    /// Active (in-sync) replicas.
+    pub active: Vec<ReplicaId>,
+    /// Replicas being rebuilt.
+    pub rebuilding: Vec<ReplicaId>,
+    /// Completed rebuilds since attach.
+    pub rebuilds_done: u64,
+    /// Blocks copied by rebuilds since attach.
+    pub blocks_copied: u64,
+    /// Block copies repaired since attach.
+    pub repairs: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Link {
+    /// Not answering; try again at `retry_at`.
+    Down { retry_at: u64 },
+    /// Probe sent.
+    Probing,
+    /// Attach sent.
+    Attaching,
+    /// Holds our epoch.
+    Attached,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Idle,
+    Active,
+    Rebuilding,
+}
+
+#[derive(Debug)]
+struct Peer {
+    link: Link,
+    role: Role,
+    info: Option<ReplicaInfo>,
+    /// Highest position acknowledged in this epoch.
+    acked: Tag,
+}
+
+#[derive(Debug, Clone)]
+enum Ctx {
+    Probe,
+    Attach,
+    Op {
+        index: u64,
+    },
+    Flush {
+        flush: u64,
+    },
+    Read {
+        op: OpId,
+    },
+    Ping {
+        op: OpId,
+    },
+    RbBegin {
+        session: u64,
+    },
+    RbTags {
+        session: u64,
+        chunk: u64,
+        source: bool,
+    },
+    RbData {
+        session: u64,
+        chunk: u64,
+    },
+    RbCopy {
+        session: u64,
+        chunk: u64,
+    },
+    RbEnd {
+        session: u64,
+    },
+    ScrubTags {
+        op: OpId,
+        chunk: u64,
+    },
+    RepairRead {
+        bad_on: ReplicaId,
+        layer: u64,
+        lba: u64,
+    },
+    Repair,
+    Detach,
+}
+
+#[derive(Debug)]
+struct Pending {
+    to: ReplicaId,
+    deadline: u64,
+    ctx: Ctx,
+}
+
+#[derive(Debug)]
+struct Queued {
+    id: OpId,
+    op: ClientOp,
+}
+
+#[derive(Debug)]
+struct Inflight {
+    range: Option<(u64, u64)>,
+    write: bool,
+    exclusive: bool,
+}
+
+#[derive(Debug)]
+struct ReadState {
+    lba: u64,
+    blocks: u32,
+    tried: HashSet<ReplicaId>,
+    data: Option<Bytes>,
+    confirmed: HashSet<ReplicaId>,
+    /// Ping round started (replicas asked).
+    asked: HashSet<ReplicaId>,
+}
+
+#[derive(Debug)]
+struct WriteState {
+    op: OpId,
+    error: Option<String>,
+    /// Engine-side effect applied at completion.
+    on_commit: Commit,
+}
+
+#[derive(Debug, Clone)]
+enum Commit {
+    None,
+    Layers(Vec<LayerInfo>),
+    Size(u64),
+}
+
+#[derive(Debug)]
+struct FlushState {
+    op: OpId,
+    waiting: HashSet<ReplicaId>,
+}
+
+#[derive(Debug, Clone)]
+struct Chunk {
+    layer: u64,
+    lba: u64,
+    blocks: u32,
+    src: Option<Vec<BlockTag>>,
+    tgt: Option<Vec<BlockTag>>,
+    diff: Vec<bool>,
+}
+
+#[derive(Debug)]
+struct RebuildState {
+    session: u64,
+    target: ReplicaId,
+    source: ReplicaId,
+    start: Tag,
+    began: bool,
+    layers: Vec<u64>,
+    layer_idx: usize,
+    next_lba: u64,
+    chunks: HashMap<u64, Chunk>,
+    next_chunk: u64,
+    copy_done: bool,
+    incomplete: bool,
+    ending: bool,
+}
+
+#[derive(Debug)]
+struct ScrubState {
+    layers: Vec<u64>,
+    layer_idx: usize,
+    next_lba: u64,
+    chunks: HashMap<u64, (u64, u64, u32, HashMap<ReplicaId, Vec<BlockTag>>, usize)>,
+    next_chunk: u64,
+    report: ScrubReport,
+}
+
+/// The engine state machine. See the module documentation.
+#[derive(Debug)]
+pub struct Engine {
+    cfg: EngineConfig,
+    now: u64,
+    phase: Phase,
+    epoch: u64,
+    peers: Vec<Peer>,
+    position: Tag,
+    size_blocks: u64,
+    layers: Vec<LayerInfo>,
+    next_req: u64,
+    pending: HashMap<u64, Pending>,
+    out: VecDeque<Output>,
+    queue: VecDeque<Queued>,
+    inflight: HashMap<OpId, Inflight>,
+    reads: HashMap<OpId, ReadState>,
+    writes: BTreeMap<u64, WriteState>,
+    flushes: HashMap<u64, FlushState>,
+    next_flush: u64,
+    rebuilds: Vec<RebuildState>,
+    next_session: u64,
+    scrub: Option<(OpId, ScrubState)>,
+    detach: Option<(OpId, HashSet<ReplicaId>)>,
+    rr: usize,
+    pumping: bool,
+    repump: bool,
+    status: EngineStatus,
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+impl Engine {
+    /// Creates an engine and starts attaching: probes go out immediately.
+    pub fn new(cfg: EngineConfig) -> Engine {
+        assert!(cfg.replicas > 0, "a volume needs at least one replica");
+        let peers = (0..cfg.replicas)
+            .map(|_| Peer {
+                link: Link::Down { retry_at: 0 },
+                role: Role::Idle,
+                info: None,
+                acked: Tag::default(),
+            })
+            .collect();
+        let mut e = Engine {
+            now: 0,
+            phase: Phase::Probing,
+            epoch: 0,
+            peers,
+            position: Tag::default(),
+            size_blocks: 0,
+            layers: Vec::new(),
+            next_req: 1,
+            pending: HashMap::new(),
+            out: VecDeque::new(),
+            queue: VecDeque::new(),
+            inflight: HashMap::new(),
+            reads: HashMap::new(),
+            writes: BTreeMap::new(),
+            flushes: HashMap::new(),
+            next_flush: 1,
+            rebuilds: Vec::new(),
+            next_session: 1,
+            scrub: None,
+            detach: None,
+            rr: 0,
+            pumping: false,
+            repump: false,
+            status: EngineStatus {
+                phase: Phase::Probing,
+                epoch: 0,
+                position: Tag::default(),
+                size_blocks: 0,
+                active: vec![],
+                rebuilding: vec![],
+                rebuilds_done: 0,
+                blocks_copied: 0,
+                repairs: 0,
+            },
+            cfg,
+        };
+        for r in 0..e.peers.len() {
+            e.probe(r);
+        }
+        e
+    }
+
+    fn w(&self) -> usize {
+        self.cfg.min_write_replicas.clamp(1, self.cfg.replicas)
+    }
+
+    fn r_quorum(&self) -> usize {
+        self.cfg.replicas - self.w() + 1
+    }
+
+    /// Volume size in blocks (0 before attach).
+    pub fn size_blocks(&self) -> u64 {
+        self.size_blocks
+    }
+
+    /// Current phase.
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// Status snapshot.
+    pub fn status(&self) -> EngineStatus {
+        let mut s = self.status.clone();
+        s.phase = self.phase;
+        s.epoch = self.epoch;
+        s.position = self.position;
+        s.size_blocks = self.size_blocks;
+        s.active = self.ids(Role::Active);
+        s.rebuilding = self.ids(Role::Rebuilding);
+        s
+    }
+
+    /// Snapshots, oldest first.
+    pub fn snapshots(&self) -> Vec<SnapshotInfo> {
+        let n = self.layers.len().saturating_sub(1);
+        self.layers[..n]
+            .iter()
+            .map(|l| SnapshotInfo {
+                name: l.name.clone(),
+                layer: l.id,
+                created: l.created,
+            })
+            .collect()
+    }
+
+    fn ids(&self, role: Role) -> Vec<ReplicaId> {
+        (0..self.peers.len())
+            .filter(|&i| self.peers[i].role == role)
+            .collect()
+    }
+
+    fn active_count(&self) -> usize {
+        self.peers.iter().filter(|p| p.role == Role::Active).count()
+    }
+
+    /// Takes the next output, if any.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.out.pop_front()
+    }
+
+    fn send(&mut self, to: ReplicaId, req: Request, ctx: Ctx) -> u64 {
+        let id = self.next_req;
+        self.next_req += 1;
+        self.pending.insert(
+            id,
+            Pending {
+                to,
+                deadline: self.now + self.cfg.request_timeout,
+                ctx,
+            },
+        );
+        self.out.push_back(Output::Send {
+            to,
+            frame: ReqFrame { id, req },
+        });
+        id
+    }
+
+    fn complete(&mut self, id: OpId, result: Result<OpOutput, Error>) {
+        self.inflight.remove(&id);
+        self.out.push_back(Output::Complete { id, result });
+    }
+
+    fn probe(&mut self, r: ReplicaId) {
+        self.peers[r].link = Link::Probing;
+        self.send(r, Request::Probe, Ctx::Probe);
+    }
+
+    fn attach(&mut self, r: ReplicaId) {
+        self.peers[r].link = Link::Attaching;
+        let req = Request::Attach {
+            epoch: self.epoch,
+            engine: self.cfg.engine_id,
+        };
+        self.send(r, req, Ctx::Attach);
+    }
+
+    /// Submits a client operation; its completion comes out of
+    /// [`Engine::poll_output`].
+    pub fn submit(&mut self, id: OpId, op: ClientOp) {
+        if let Err(e) = self.validate(&op) {
+            self.out.push_back(Output::Complete { id, result: Err(e) });
+            return;
+        }
+        match self.phase {
+            Phase::Fenced => {
+                let epoch = self.epoch;
+                self.out.push_back(Output::Complete {
+                    id,
+                    result: Err(Error::Fenced { epoch }),
+                });
+                return;
+            }
+            Phase::Detached => {
+                self.out.push_back(Output::Complete {
+                    id,
+                    result: Err(Error::Detached),
+                });
+                return;
+            }
+            _ => {}
+        }
+        if self.queue.len() >= self.cfg.max_queued {
+            self.out.push_back(Output::Complete {
+                id,
+                result: Err(Error::Busy {
+                    what: "too many queued operations".into(),
+                }),
+            });
+            return;
+        }
+        self.queue.push_back(Queued { id, op });
+        self.pump();
+    }
+
+    fn validate(&self, op: &ClientOp) -> Result<(), Error> {
+        let check = |lba: u64, n: u64| -> Result<(), Error> {
+            if n == 0 || n > MAX_IO_BLOCKS as u64 {
+                return Err(Error::TooLarge {
+                    len: n * BLOCK_SIZE as u64,
+                    max: (MAX_IO_BLOCKS * BLOCK_SIZE) as u64,
+                });
+            }
+            if self.phase == Phase::Running
+                && lba.checked_add(n).is_none_or(|e| e > self.size_blocks)
+            {
+                return Err(Error::OutOfRange {
+                    offset: lba.saturating_mul(BLOCK_SIZE as u64),
+                    len: n * BLOCK_SIZE as u64,
+                    size: self.size_blocks * BLOCK_SIZE as u64,
+                });
+            }
+            Ok(())
+        };
+        match op {
+            ClientOp::Read { lba, blocks } | ClientOp::Zero { lba, blocks } => {
+                check(*lba, *blocks as u64)
+            }
+            ClientOp::Write { lba, data } => {
+                if data.is_empty() || data.len() % BLOCK_SIZE != 0 {
+                    return Err(Error::Unaligned {
+                        offset: lba.saturating_mul(BLOCK_SIZE as u64),
+                        len: data.len() as u64,
+                    });
+                }
+                check(*lba, (data.len() / BLOCK_SIZE) as u64)
+            }
+            ClientOp::Snapshot { name } => {
+                if name.is_empty() || name.len() > MAX_NAME_LEN {
+                    return Err(Error::InvalidArgument(format!(
+                        "snapshot name must be 1..={MAX_NAME_LEN} bytes"
+                    )));
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn op_shape(op: &ClientOp) -> Inflight {
+        match op {
+            ClientOp::Read { lba, blocks } => Inflight {
+                range: Some((*lba, lba + *blocks as u64)),
+                write: false,
+                exclusive: false,
+            },
+            ClientOp::Write { lba, data } => Inflight {
+                range: Some((*lba, lba + (data.len() / BLOCK_SIZE) as u64)),
+                write: true,
+                exclusive: false,
+            },
+            ClientOp::Zero { lba, blocks } => Inflight {
+                range: Some((*lba, lba + *blocks as u64)),
+                write: true,
+                exclusive: false,
+            },
+            ClientOp::Flush | ClientOp::Snapshot { .. } | ClientOp::Scrub => Inflight {
+                range: None,
+                write: false,
+                exclusive: false,
+            },
+            ClientOp::DeleteSnapshot { .. }
+            | ClientOp::Revert { .. }
+            | ClientOp::Resize { .. }
+            | ClientOp::Detach => Inflight {
+                range: None,
+                write: true,
+                exclusive: true,
+            },
+        }
+    }
+
+    fn conflicts(a: &Inflight, b: &Inflight) -> bool {
+        if a.exclusive || b.exclusive {
+            return true;
+        }
+        match (a.range, b.range) {
+            (Some(x), Some(y)) => (a.write || b.write) && overlaps(x, y),
+            _ => false,
+        }
+    }
+
+    fn writes_allowed(&self) -> bool {
+        self.active_count() >= self.w()
+    }
+
+    fn pump(&mut self) {
+        if self.pumping {
+            self.repump = true;
+            return;
+        }
+        self.pumping = true;
+        loop {
+            self.repump = false;
+            self.pump_once();
+            if !self.repump {
+                break;
+            }
+        }
+        self.pumping = false;
+    }
+
+    fn pump_once(&mut self) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        let mut i = 0;
+        let mut blocked: Vec<Inflight> = Vec::new();
+        while i < self.queue.len() {
+            if self.inflight.len() >= self.cfg.max_inflight {
+                break;
+            }
+            let shape = Self::op_shape(&self.queue[i].op);
+            let conflict = self.inflight.values().any(|f| Self::conflicts(f, &shape))
+                || blocked.iter().any(|f| Self::conflicts(f, &shape));
+            let needs_quorum = !matches!(self.queue[i].op, ClientOp::Read { .. } | ClientOp::Scrub);
+            let can_run = if needs_quorum {
+                self.writes_allowed()
+            } else {
+                self.active_count() > 0
+            };
+            if !can_run && needs_quorum && self.cfg.on_quorum_loss == QuorumLossPolicy::Fail {
+                let q = self.queue.remove(i).expect("index in range");
+                let (have, need) = (self.active_count(), self.w());
+                self.out.push_back(Output::Complete {
+                    id: q.id,
+                    result: Err(Error::QuorumLost { have, need }),
+                });
+                continue;
+            }
+            let admin = matches!(
+                self.queue[i].op,
+                ClientOp::Snapshot { .. }
+                    | ClientOp::DeleteSnapshot { .. }
+                    | ClientOp::Revert { .. }
+                    | ClientOp::Resize { .. }
+            );
+            // Layer changes wait for running rebuilds (which copy layer by layer).
+            let can_run = can_run && !(admin && !self.rebuilds.is_empty());
+            if conflict || !can_run {
+                blocked.push(shape);
+                i += 1;
+                continue;
+            }
+            let q = self.queue.remove(i).expect("index in range");
+            self.inflight.insert(q.id, shape);
+            self.start(q);
+        }
+    }
+
+    fn start(&mut self, q: Queued) {
+        let id = q.id;
+        match q.op {
+            ClientOp::Read { lba, blocks } => {
+                self.reads.insert(
+                    id,
+                    ReadState {
+                        lba,
+                        blocks,
+                        tried: HashSet::new(),
+                        data: None,
+                        confirmed: HashSet::new(),
+                        asked: HashSet::new(),
+                    },
+                );
+                self.read_attempt(id);
+            }
+            ClientOp::Write { lba, data } => self.issue(id, Op::Write { lba, data }, Commit::None),
+            ClientOp::Zero { lba, blocks } => {
+                self.issue(id, Op::Zero { lba, blocks }, Commit::None)
+            }
+            ClientOp::Flush => {
+                let flush = self.next_flush;
+                self.next_flush += 1;
+                let targets = self.ids(Role::Active);
+                for &r in &targets {
+                    self.send(
+                        r,
+                        Request::Flush { epoch: self.epoch },
+                        Ctx::Flush { flush },
+                    );
+                }
+                self.flushes.insert(
+                    flush,
+                    FlushState {
+                        op: id,
+                        waiting: targets.into_iter().collect(),
+                    },
+                );
+                self.check_flushes();
+            }
+            ClientOp::Snapshot { name } => {
+                if let Err(e) = self.admin_check() {
+                    return self.complete(id, Err(e));
+                }
+                if self.layers.iter().any(|l| l.name == name) {
+                    return self.complete(
+                        id,
+                        Err(Error::InvalidArgument(format!("snapshot {name:?} exists"))),
+                    );
+                }
+                if self.layers.len() >= MAX_LAYERS {
+                    return self
+                        .complete(id, Err(Error::InvalidArgument("too many snapshots".into())));
+                }
+                let new_head = self.layers.iter().map(|l| l.id).max().unwrap_or(0) + 1;
+                let tag = Tag::new(self.epoch, self.position.index + 1);
+                let mut layers = self.layers.clone();
+                if let Some(h) = layers.last_mut() {
+                    h.name = name.clone();
+                    h.created = tag;
+                }
+                layers.push(LayerInfo {
+                    id: new_head,
+                    name: String::new(),
+                    created: tag,
+                });
+                self.issue(id, Op::Snapshot { name, new_head }, Commit::Layers(layers));
+            }
+            ClientOp::DeleteSnapshot { name } => {
+                if let Err(e) = self.admin_check() {
+                    return self.complete(id, Err(e));
+                }
+                let n = self.layers.len() - 1;
+                let Some(li) = self.layers[..n].iter().position(|l| l.name == name) else {
+                    return self.complete(id, Err(Error::SnapshotNotFound { name }));
+                };
+                let layer = self.layers[li].id;
+                let mut layers = self.layers.clone();
+                layers.remove(li);
+                self.issue(id, Op::DeleteSnapshot { layer }, Commit::Layers(layers));
+            }
+            ClientOp::Revert { name } => {
+                if let Err(e) = self.admin_check() {
+                    return self.complete(id, Err(e));
+                }
+                let n = self.layers.len() - 1;
+                let Some(li) = self.layers[..n].iter().position(|l| l.name == name) else {
+                    return self.complete(id, Err(Error::SnapshotNotFound { name }));
+                };
+                let layer = self.layers[li].id;
+                let new_head = self.layers.iter().map(|l| l.id).max().unwrap_or(0) + 1;
+                let tag = Tag::new(self.epoch, self.position.index + 1);
+                let mut layers: Vec<LayerInfo> = self.layers[..=li].to_vec();
+                layers.push(LayerInfo {
+                    id: new_head,
+                    name: String::new(),
+                    created: tag,
+                });
+                self.issue(id, Op::Revert { layer, new_head }, Commit::Layers(layers));
+            }
+            ClientOp::Resize { size_blocks } => {
+                if let Err(e) = self.admin_check() {
+                    return self.complete(id, Err(e));
+                }
+                if size_blocks < self.size_blocks {
+                    return self.complete(
+                        id,
+                        Err(Error::InvalidArgument(format!(
+                            "cannot shrink from {} to {} blocks",
+                            self.size_blocks, size_blocks
+                        ))),
+                    );
+                }
+                self.issue(id, Op::Resize { size_blocks }, Commit::Size(size_blocks));
+            }
+            ClientOp::Scrub => {
+                if self.scrub.is_some() {
+                    return self.complete(
+                        id,
+                        Err(Error::Busy {
+                            what: "scrub".into(),
+                        }),
+                    );
+                }
+                let st = ScrubState {
+                    layers: self.layers.iter().map(|l| l.id).collect(),
+                    layer_idx: 0,
+                    next_lba: 0,
+                    chunks: HashMap::new(),
+                    next_chunk: 0,
+                    report: ScrubReport::default(),
+                };
+                self.scrub = Some((id, st));
+                self.scrub_pump();
+            }
+            ClientOp::Detach => {
+                let targets: HashSet<ReplicaId> = (0..self.peers.len())
+                    .filter(|&r| self.peers[r].link == Link::Attached)
+                    .collect();
+                for &r in &targets {
+                    self.send(r, Request::Detach { epoch: self.epoch }, Ctx::Detach);
+                }
+                self.detach = Some((id, targets));
+                self.check_detach();
+            }
+        }
+    }
+
+    fn admin_check(&self) -> Result<(), Error> {
+        if !self.rebuilds.is_empty() {
+            return Err(Error::Busy {
+                what: "a replica is rebuilding".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Issues an ordered op to every active and rebuilding replica.
+    fn issue(&mut self, op_id: OpId, op: Op, on_commit: Commit) {
+        let tag = Tag::new(self.epoch, self.position.index + 1);
+        self.position = tag;
+        if let Commit::Layers(l) = &on_commit {
+            self.layers = l.clone();
+        }
+        if let Commit::Size(s) = &on_commit {
+            self.size_blocks = self.size_blocks.max(*s);
+        }
+        self.writes.insert(
+            tag.index,
+            WriteState {
+                op: op_id,
+                error: None,
+                on_commit,
+            },
+        );
+        for r in 0..self.peers.len() {
+            let role = self.peers[r].role;
+            let rebuilding_started = self.rebuilds.iter().any(|rb| rb.target == r && rb.began);
+            if role == Role::Active || (role == Role::Rebuilding && rebuilding_started) {
+                let req = Request::Op {
+                    epoch: self.epoch,
+                    tag,
+                    op: op.clone(),
+                };
+                self.send(r, req, Ctx::Op { index: tag.index });
+            }
+        }
+        self.check_commits();
+    }
+
+    fn check_commits(&mut self) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        let active: Vec<ReplicaId> = self.ids(Role::Active);
+        let commit = if self.cfg.bugs.ack_on_first_replica {
+            active.iter().map(|&r| self.peers[r].acked.index).max()
+        } else {
+            if active.len() < self.w() {
+                return;
+            }
+            active.iter().map(|&r| self.peers[r].acked.index).min()
+        };
+        let Some(commit) = commit else { return };
+        while let Some((&idx, _)) = self.writes.first_key_value() {
+            if idx > commit {
+                break;
+            }
+            let Some((_, ws)) = self.writes.pop_first() else {
+                break;
+            };
+            let result = match ws.error {
+                Some(e) => Err(Error::InvalidArgument(e)),
+                None => Ok(OpOutput::Done),
+            };
+            self.complete(ws.op, result);
+        }
+        let sessions: Vec<u64> = self.rebuilds.iter().map(|rb| rb.session).collect();
+        for s in sessions {
+            self.rb_pump(s);
+        }
+        self.pump();
+    }
+
+    fn check_flushes(&mut self) {
+        if !self.writes_allowed() && !self.cfg.bugs.ack_on_first_replica {
+            return;
+        }
+        let done: Vec<u64> = self
+            .flushes
+            .iter()
+            .filter(|(_, f)| f.waiting.is_empty())
+            .map(|(&k, _)| k)
+            .collect();
+        for k in done {
+            if let Some(f) = self.flushes.remove(&k) {
+                self.complete(f.op, Ok(OpOutput::Done));
+            }
+        }
+    }
+
+    fn check_detach(&mut self) {
+        if let Some((op, waiting)) = &self.detach
+            && waiting.is_empty()
+        {
+            let op = *op;
+            self.detach = None;
+            self.complete(op, Ok(OpOutput::Done));
+            self.phase = Phase::Detached;
+            self.fail_all(|| Error::Detached);
+        }
+    }
+
+    fn read_attempt(&mut self, op: OpId) {
+        let Some(rs) = self.reads.get(&op) else {
+            return;
+        };
+        let (lba, blocks) = (rs.lba, rs.blocks);
+        let candidates: Vec<ReplicaId> = self
+            .ids(Role::Active)
+            .into_iter()
+            .filter(|r| !rs.tried.contains(r))
+            .collect();
+        if candidates.is_empty() {
+            self.reads.remove(&op);
+            return self.complete(op, Err(Error::ReadFailed { lba }));
+        }
+        self.rr = self.rr.wrapping_add(1);
+        let r = candidates[self.rr % candidates.len()];
+        if let Some(rs) = self.reads.get_mut(&op) {
+            rs.tried.insert(r);
+        }
+        let epoch = self.epoch;
+        self.send(r, Request::Read { epoch, lba, blocks }, Ctx::Read { op });
+        // Read fencing: W replicas must confirm the epoch after the read began.
+        let others: Vec<ReplicaId> = (0..self.peers.len())
+            .filter(|&p| p != r && self.peers[p].link == Link::Attached)
+            .collect();
+        for p in others {
+            let asked = self.reads.get(&op).is_some_and(|rs| rs.asked.contains(&p));
+            if !asked {
+                if let Some(rs) = self.reads.get_mut(&op) {
+                    rs.asked.insert(p);
+                }
+                self.send(p, Request::Ping { epoch }, Ctx::Ping { op });
+            }
+        }
+    }
+
+    fn check_read(&mut self, op: OpId) {
+        let w = self.w();
+        let skip = self.cfg.bugs.skip_read_fencing;
+        let Some(rs) = self.reads.get(&op) else {
+            return;
+        };
+        if rs.data.is_some() && (skip || rs.confirmed.len() >= w) {
+            let Some(rs) = self.reads.remove(&op) else {
+                return;
+            };
+            let data = rs.data.unwrap_or_default();
+            self.complete(op, Ok(OpOutput::Data(data)));
+        } else if rs.data.is_some() {
+            // Not enough confirmations possible? Ask every attached replica again.
+            let reachable = (0..self.peers.len())
+                .filter(|&p| self.peers[p].link == Link::Attached)
+                .count();
+            if reachable < w {
+                // Wait: the rejoin timer will bring replicas back, or fencing
+                // will fail the read.
+            }
+        }
+    }
+
+    /// Advances time by one tick: expires requests, retries failed replicas,
+    /// drives rebuilds.
+    pub fn tick(&mut self) {
+        self.now += 1;
+        let expired: Vec<(u64, ReplicaId)> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.deadline <= self.now)
+            .map(|(&id, p)| (id, p.to))
+            .collect();
+        let mut failed = HashSet::new();
+        for (_, to) in expired {
+            failed.insert(to);
+        }
+        for r in failed {
+            self.peer_failed(r, "request timed out");
+        }
+        for r in 0..self.peers.len() {
+            if let Link::Down { retry_at } = self.peers[r].link
+                && retry_at <= self.now
+                && !matches!(self.phase, Phase::Fenced | Phase::Detached)
+            {
+                self.probe(r);
+            }
+        }
+        if self.phase == Phase::Running {
+            self.maybe_start_rebuilds();
+            let sessions: Vec<u64> = self.rebuilds.iter().map(|rb| rb.session).collect();
+            for s in sessions {
+                self.rb_pump(s);
+            }
+            self.reping_reads();
+        }
+        self.pump();
+    }
+
+    /// Asks attached replicas that have not confirmed a waiting read yet.
+    fn reping_reads(&mut self) {
+        let epoch = self.epoch;
+        let mut sends = Vec::new();
+        for (&op, rs) in &mut self.reads {
+            if rs.data.is_none() {
+                continue;
+            }
+            for p in 0..self.peers.len() {
+                if self.peers[p].link == Link::Attached && !rs.asked.contains(&p) {
+                    rs.asked.insert(p);
+                    sends.push((p, op));
+                }
+            }
+        }
+        for (p, op) in sends {
+            self.send(p, Request::Ping { epoch }, Ctx::Ping { op });
+        }
+    }
+
+    /// Every active replica is gone: in-flight ordered operations may or may
+    /// not have happened, so fail them, and attach again under a new epoch
+    /// (source selection by position, as at first attach).
+    fn reattach(&mut self) {
+        warn!("no active replica left; re-attaching under a new epoch");
+        let (have, need) = (0, self.w());
+        let mut ops: Vec<OpId> = self.writes.values().map(|w| w.op).collect();
+        self.writes.clear();
+        ops.extend(self.flushes.values().map(|f| f.op));
+        self.flushes.clear();
+        ops.extend(self.reads.keys().copied());
+        self.reads.clear();
+        if let Some((op, _)) = self.scrub.take() {
+            ops.push(op);
+        }
+        self.rebuilds.clear();
+        for op in ops {
+            self.complete(op, Err(Error::QuorumLost { have, need }));
+        }
+        self.cfg.min_epoch = self.cfg.min_epoch.max(self.epoch);
+        self.restart_attach();
+    }
+
+    fn peer_failed(&mut self, r: ReplicaId, why: &str) {
+        if matches!(self.phase, Phase::Fenced | Phase::Detached) {
+            return;
+        }
+        debug!(replica = r, why, "replica failed");
+        let was = self.peers[r].role;
+        self.peers[r].link = Link::Down {
+            retry_at: self.now + self.cfg.rejoin_interval,
+        };
+        self.peers[r].role = Role::Idle;
+        self.peers[r].info = None;
+        if was == Role::Active {
+            warn!(
+                replica = r,
+                why,
+                active = self.active_count(),
+                "replica left the active set"
+            );
+        }
+        let ids: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.to == r)
+            .map(|(&id, _)| id)
+            .collect();
+        let mut ctxs = Vec::new();
+        for id in ids {
+            if let Some(p) = self.pending.remove(&id) {
+                ctxs.push(p.ctx);
+            }
+        }
+        // Abort rebuilds that involve r.
+        let aborted: Vec<usize> = (0..self.rebuilds.len())
+            .filter(|&i| self.rebuilds[i].target == r || self.rebuilds[i].source == r)
+            .collect();
+        for i in aborted.into_iter().rev() {
+            let rb = self.rebuilds.remove(i);
+            if rb.target != r {
+                // Target stays attached but must start over.
+                self.peers[rb.target].role = Role::Idle;
+            }
+        }
+        for f in self.flushes.values_mut() {
+            f.waiting.remove(&r);
+        }
+        if let Some((_, w)) = &mut self.detach {
+            w.remove(&r);
+        }
+        for ctx in ctxs {
+            match ctx {
+                Ctx::Read { op } => {
+                    if let Some(rs) = self.reads.get_mut(&op) {
+                        rs.confirmed.remove(&r);
+                    }
+                    self.read_attempt(op);
+                }
+                Ctx::Ping { op } => {
+                    if let Some(rs) = self.reads.get_mut(&op) {
+                        rs.asked.remove(&r);
+                    }
+                }
+                Ctx::ScrubTags { .. } => {
+                    if let Some((op, _)) = self.scrub.take() {
+                        self.complete(
+                            op,
+                            Err(Error::Busy {
+                                what: "replica failed during scrub".into(),
+                            }),
+                        );
+                    }
+                }
+                _ => {}
+            }
+        }
+        if self.phase == Phase::Running {
+            let (have, need) = (self.active_count(), self.w());
+            if have < need && self.cfg.on_quorum_loss == QuorumLossPolicy::Fail {
+                let ws: Vec<(u64, OpId)> = self.writes.iter().map(|(&k, v)| (k, v.op)).collect();
+                for (k, op) in ws {
+                    self.writes.remove(&k);
+                    self.complete(op, Err(Error::QuorumLost { have, need }));
+                }
+                let fs: Vec<(u64, OpId)> = self.flushes.iter().map(|(&k, v)| (k, v.op)).collect();
+                for (k, op) in fs {
+                    self.flushes.remove(&k);
+                    self.complete(op, Err(Error::QuorumLost { have, need }));
+                }
+            }
+            if have == 0 {
+                return self.reattach();
+            }
+        }
+        self.check_commits();
+        self.check_flushes();
+        self.check_detach();
+        if self.phase == Phase::Attaching {
+            self.try_finish_attach();
+        }
+    }
+
+    fn fence(&mut self, epoch: u64) {
+        if self.phase == Phase::Fenced {
+            return;
+        }
+        warn!(
+            ours = self.epoch,
+            theirs = epoch,
+            "engine fenced by a newer epoch"
+        );
+        self.phase = Phase::Fenced;
+        self.fail_all(|| Error::Fenced { epoch });
+    }
+
+    fn fail_all(&mut self, e: impl Fn() -> Error) {
+        self.pending.clear();
+        let mut ops: Vec<OpId> = Vec::new();
+        ops.extend(self.queue.drain(..).map(|q| q.id));
+        ops.extend(self.writes.values().map(|w| w.op));
+        self.writes.clear();
+        ops.extend(self.reads.keys().copied());
+        self.reads.clear();
+        ops.extend(self.flushes.values().map(|f| f.op));
+        self.flushes.clear();
+        if let Some((op, _)) = self.scrub.take() {
+            ops.push(op);
+        }
+        if let Some((op, _)) = self.detach.take() {
+            ops.push(op);
+        }
+        self.rebuilds.clear();
+        ops.sort_unstable();
+        ops.dedup();
+        for op in ops {
+            self.complete(op, Err(e()));
+        }
+        self.inflight.clear();
+    }
+
+    /// Tells the engine its connection to `r` broke (pending requests to it
+    /// will never be answered).
+    pub fn disconnected(&mut self, r: ReplicaId) {
+        if r < self.peers.len() && self.peers[r].link != (Link::Down { retry_at: 0 }) {
+            if matches!(self.peers[r].link, Link::Down { .. }) {
+                return;
+            }
+            self.peer_failed(r, "disconnected");
+        }
+    }
+
+    /// Feeds a response from replica `from`.
+    pub fn step(&mut self, from: ReplicaId, id: u64, resp: Response) {
+        let Some(p) = self.pending.get(&id) else {
+            return; // late, duplicate or cancelled
+        };
+        if p.to != from {
+            return;
+        }
+        let Some(p) = self.pending.remove(&id) else {
+            return;
+        };
+        if matches!(self.phase, Phase::Fenced | Phase::Detached) {
+            return;
+        }
+        if let Response::Refused(r) = &resp {
+            match r {
+                Refusal::StaleEpoch { current } if *current > self.epoch => {
+                    if matches!(self.phase, Phase::Probing | Phase::Attaching) {
+                        // Someone holds a higher epoch: start over above it.
+                        self.cfg.min_epoch = self.cfg.min_epoch.max(*current);
+                        self.peer_failed(from, "attach refused");
+                        if self.phase == Phase::Attaching {
+                            self.restart_attach();
+                        }
+                        return;
+                    }
+                    return self.fence(*current);
+                }
+                Refusal::Invalid(msg) if matches!(p.ctx, Ctx::Op { .. }) => {
+                    // The op was refused as invalid but kept the sequence.
+                    if let Ctx::Op { index } = p.ctx
+                        && let Some(ws) = self.writes.get_mut(&index)
+                    {
+                        ws.error = Some(msg.clone());
+                    }
+                    let pos = Tag::new(
+                        self.epoch,
+                        match p.ctx {
+                            Ctx::Op { index } => index,
+                            _ => 0,
+                        },
+                    );
+                    self.peers[from].acked = self.peers[from].acked.max(pos);
+                    self.check_commits();
+                    return;
+                }
+                other => {
+                    let why = format!("refused: {other:?}");
+                    return self.peer_failed(from, &why);
+                }
+            }
+        }
+        match p.ctx {
+            Ctx::Probe => {
+                let Response::Info(info) = resp else {
+                    return self.peer_failed(from, "bad probe answer");
+                };
+                self.peers[from].info = Some(info.clone());
+                match self.phase {
+                    Phase::Probing => {
+                        self.peers[from].link = Link::Attaching; // parked until epoch chosen
+                        let probed = self.peers.iter().filter(|p| p.info.is_some()).count();
+                        if probed >= self.r_quorum() {
+                            let max = self
+                                .peers
+                                .iter()
+                                .filter_map(|p| p.info.as_ref().map(|i| i.epoch))
+                                .max()
+                                .unwrap_or(0);
+                            self.epoch = max.max(self.cfg.min_epoch) + 1;
+                            self.phase = Phase::Attaching;
+                            info!(epoch = self.epoch, engine = self.cfg.engine_id, "attaching");
+                            for r in 0..self.peers.len() {
+                                if self.peers[r].info.is_some() {
+                                    self.attach(r);
+                                }
+                            }
+                        }
+                    }
+                    Phase::Attaching | Phase::Running => {
+                        if info.epoch > self.epoch && self.phase == Phase::Running {
+                            return self.fence(info.epoch);
+                        }
+                        if self.phase == Phase::Attaching && info.epoch >= self.epoch {
+                            self.cfg.min_epoch = self.cfg.min_epoch.max(info.epoch);
+                            return self.restart_attach();
+                        }
+                        self.attach(from);
+                    }
+                    _ => {}
+                }
+            }
+            Ctx::Attach => {
+                let Response::Info(info) = resp else {
+                    return self.peer_failed(from, "bad attach answer");
+                };
+                self.peers[from].link = Link::Attached;
+                self.peers[from].info = Some(info.clone());
+                self.peers[from].acked = info.position;
+                self.peers[from].role = Role::Idle;
+                if self.phase == Phase::Attaching {
+                    self.try_finish_attach();
+                } else if self.phase == Phase::Running {
+                    // Same position, same layers, nothing in flight: it holds
+                    // exactly what the active replicas hold.
+                    let in_sync = info.state == ReplicaState::Clean
+                        && info.position == self.position
+                        && info.layers == self.layers
+                        && info.size_blocks == self.size_blocks
+                        && self.writes.is_empty();
+                    if in_sync {
+                        info!(replica = from, "replica joined in sync");
+                        self.peers[from].role = Role::Active;
+                        self.check_commits();
+                        self.check_flushes();
+                    } else {
+                        self.maybe_start_rebuilds();
+                    }
+                }
+            }
+            Ctx::Op { .. } => {
+                if let Response::Ack(pos) = resp {
+                    self.peers[from].acked = self.peers[from].acked.max(pos);
+                    self.check_commits();
+                } else {
+                    self.peer_failed(from, "bad op answer");
+                }
+            }
+            Ctx::Flush { flush } => {
+                if let Some(f) = self.flushes.get_mut(&flush) {
+                    f.waiting.remove(&from);
+                }
+                self.check_flushes();
+            }
+            Ctx::Read { op } => match resp {
+                Response::Data { data, bad } => {
+                    let Some(rs) = self.reads.get_mut(&op) else {
+                        return;
+                    };
+                    if data.len() != rs.blocks as usize * BLOCK_SIZE {
+                        return self.peer_failed(from, "short read");
+                    }
+                    rs.confirmed.insert(from);
+                    if bad.is_empty() {
+                        rs.data = Some(data);
+                        self.check_read(op);
+                    } else {
+                        // Read from another replica, then repair these copies.
+                        for (lba, layer) in bad {
+                            self.schedule_repair(from, layer, lba);
+                        }
+                        self.read_attempt(op);
+                    }
+                }
+                _ => self.peer_failed(from, "bad read answer"),
+            },
+            Ctx::Ping { op } => {
+                if let Some(rs) = self.reads.get_mut(&op) {
+                    rs.confirmed.insert(from);
+                }
+                self.check_read(op);
+            }
+            Ctx::RbBegin { session } => self.rb_begun(session, resp),
+            Ctx::RbTags {
+                session,
+                chunk,
+                source,
+            } => self.rb_tags(session, chunk, source, resp),
+            Ctx::RbData { session, chunk } => self.rb_data(session, chunk, resp),
+            Ctx::RbCopy { session, chunk } => {
+                if let Some(rb) = self.rebuilds.iter_mut().find(|rb| rb.session == session) {
+                    rb.chunks.remove(&chunk);
+                }
+                self.rb_pump(session);
+            }
+            Ctx::RbEnd { session } => self.rb_end(session, resp),
+            Ctx::ScrubTags { op, chunk } => self.scrub_tags(op, chunk, from, resp),
+            Ctx::RepairRead { bad_on, layer, lba } => {
+                if let Response::Layer(v) = resp
+                    && let Some((t, d)) = v.into_iter().next()
+                {
+                    let entry = match (t, d) {
+                        (
+                            BlockTag::Present {
+                                tag,
+                                zero: true,
+                                valid: true,
+                            },
+                            _,
+                        ) => Some(CopyEntry::Zero(tag)),
+                        (
+                            BlockTag::Present {
+                                tag,
+                                zero: false,
+                                valid: true,
+                            },
+                            Some(d),
+                        ) => Some(CopyEntry::Data(tag, d)),
+                        _ => None,
+                    };
+                    if let Some(entry) = entry
+                        && self.peers[bad_on].link == Link::Attached
+                    {
+                        let req = Request::Repair {
+                            epoch: self.epoch,
+                            layer,
+                            lba,
+                            entries: vec![entry],
+                        };
+                        self.status.repairs += 1;
+                        self.send(bad_on, req, Ctx::Repair);
+                    }
+                }
+            }
+            Ctx::Repair => {}
+            Ctx::Detach => {
+                if let Some((_, w)) = &mut self.detach {
+                    w.remove(&from);
+                }
+                self.check_detach();
+            }
+        }
+    }
+
+    fn restart_attach(&mut self) {
+        info!("restarting attach with a higher epoch");
+        self.phase = Phase::Probing;
+        for r in 0..self.peers.len() {
+            self.peers[r].info = None;
+            self.peers[r].role = Role::Idle;
+        }
+        let ids: Vec<u64> = self.pending.keys().copied().collect();
+        for id in ids {
+            self.pending.remove(&id);
+        }
+        for r in 0..self.peers.len() {
+            self.probe(r);
+        }
+    }
+
+    fn try_finish_attach(&mut self) {
+        let clean: Vec<ReplicaId> = (0..self.peers.len())
+            .filter(|&r| {
+                self.peers[r].link == Link::Attached
+                    && self.peers[r]
+                        .info
+                        .as_ref()
+                        .is_some_and(|i| i.state == ReplicaState::Clean)
+            })
+            .collect();
+        if clean.len() < self.r_quorum() {
+            return;
+        }
+        let source = if self.cfg.bugs.source_by_id {
+            clean[0]
+        } else {
+            let mut best = clean[0];
+            for &r in &clean {
+                let p = |x: ReplicaId| self.peers[x].info.as_ref().map(|i| i.position);
+                if p(r) > p(best) {
+                    best = r;
+                }
+            }
+            best
+        };
+        let Some(src) = self.peers[source].info.clone() else {
+            return;
+        };
+        self.position = src.position;
+        self.size_blocks = src.size_blocks;
+        self.layers = src.layers.clone();
+        for &r in &clean {
+            let same = self.peers[r].info.as_ref().is_some_and(|i| {
+                i.position == src.position
+                    && i.size_blocks == src.size_blocks
+                    && i.layers == src.layers
+            });
+            if same {
+                self.peers[r].role = Role::Active;
+                self.peers[r].acked = src.position;
+            }
+        }
+        self.phase = Phase::Running;
+        info!(
+            epoch = self.epoch,
+            position = %self.position,
+            active = ?self.ids(Role::Active),
+            "attached"
+        );
+        self.maybe_start_rebuilds();
+        self.pump();
+    }
+
+    fn maybe_start_rebuilds(&mut self) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        // Admin ops in flight change layers: wait for them.
+        if self
+            .writes
+            .values()
+            .any(|w| !matches!(w.on_commit, Commit::None))
+        {
+            return;
+        }
+        let actives = self.ids(Role::Active);
+        if actives.is_empty() {
+            return;
+        }
+        for r in 0..self.peers.len() {
+            if self.peers[r].link != Link::Attached || self.peers[r].role != Role::Idle {
+                continue;
+            }
+            // Prefer a source that is not itself busy as a source.
+            let source = actives[r % actives.len()];
+            let session = self.next_session;
+            self.next_session += 1;
+            self.peers[r].role = Role::Rebuilding;
+            let start = self.position;
+            info!(target = r, source, session, start = %start, "rebuild starting");
+            self.rebuilds.push(RebuildState {
+                session,
+                target: r,
+                source,
+                start,
+                began: false,
+                layers: self.layers.iter().map(|l| l.id).collect(),
+                layer_idx: 0,
+                next_lba: 0,
+                chunks: HashMap::new(),
+                next_chunk: 0,
+                copy_done: false,
+                incomplete: false,
+                ending: false,
+            });
+            let req = Request::RebuildBegin {
+                epoch: self.epoch,
+                session,
+                start,
+                size_blocks: self.size_blocks,
+                layers: self.layers.clone(),
+            };
+            // `began` is set now: every op issued from here on goes to the target.
+            if let Some(rb) = self.rebuilds.last_mut() {
+                rb.began = true;
+            }
+            self.send(r, req, Ctx::RbBegin { session });
+        }
+    }
+
+    fn rb_index(&self, session: u64) -> Option<usize> {
+        self.rebuilds.iter().position(|rb| rb.session == session)
+    }
+
+    fn rb_abort(&mut self, session: u64, why: &str) {
+        if let Some(i) = self.rb_index(session) {
+            let rb = self.rebuilds.remove(i);
+            warn!(target = rb.target, why, "rebuild aborted");
+            self.peer_failed(rb.target, why);
+        }
+    }
+
+    fn rb_begun(&mut self, session: u64, resp: Response) {
+        let Response::Info(info) = resp else {
+            return self.rb_abort(session, "rebuild begin refused");
+        };
+        if let Some(i) = self.rb_index(session) {
+            let t = self.rebuilds[i].target;
+            self.peers[t].acked = self.peers[t].acked.max(info.position);
+        }
+        self.rb_pump(session);
+    }
+
+    fn rb_pump(&mut self, session: u64) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let source = self.rebuilds[i].source;
+        // The source must hold every op up to the start before copying.
+        if self.peers[source].acked < self.rebuilds[i].start {
+            return;
+        }
+        let chunk_n = self.cfg.rebuild_chunk.clamp(1, MAX_IO_BLOCKS as u32);
+        while self.rebuilds[i].chunks.len() < self.cfg.rebuild_parallel.max(1)
+            && !self.rebuilds[i].copy_done
+        {
+            let rb = &mut self.rebuilds[i];
+            if rb.layer_idx >= rb.layers.len() {
+                rb.copy_done = true;
+                break;
+            }
+            if rb.next_lba >= self.size_blocks {
+                rb.layer_idx += 1;
+                rb.next_lba = 0;
+                continue;
+            }
+            let layer = rb.layers[rb.layer_idx];
+            let lba = rb.next_lba;
+            let blocks = (self.size_blocks - lba).min(chunk_n as u64) as u32;
+            rb.next_lba += blocks as u64;
+            let chunk = rb.next_chunk;
+            rb.next_chunk += 1;
+            rb.chunks.insert(
+                chunk,
+                Chunk {
+                    layer,
+                    lba,
+                    blocks,
+                    src: None,
+                    tgt: None,
+                    diff: vec![],
+                },
+            );
+            let target = rb.target;
+            let epoch = self.epoch;
+            let mk = |_: ()| Request::ReadLayer {
+                epoch,
+                layer,
+                lba,
+                blocks,
+                data: false,
+            };
+            self.send(
+                source,
+                mk(()),
+                Ctx::RbTags {
+                    session,
+                    chunk,
+                    source: true,
+                },
+            );
+            self.send(
+                target,
+                mk(()),
+                Ctx::RbTags {
+                    session,
+                    chunk,
+                    source: false,
+                },
+            );
+        }
+        let rb = &self.rebuilds[i];
+        if rb.copy_done && rb.chunks.is_empty() && !rb.ending {
+            let target = rb.target;
+            if rb.incomplete {
+                return self.rb_abort(session, "source had bad blocks; retry after repair");
+            }
+            // All ops up to the position must have reached the target.
+            if self.peers[target].acked.index < self.position.index {
+                return;
+            }
+            self.rebuilds[i].ending = true;
+            let req = Request::RebuildEnd {
+                epoch: self.epoch,
+                session,
+                position: self.position,
+            };
+            self.send(target, req, Ctx::RbEnd { session });
+        }
+    }
+
+    fn rb_tags(&mut self, session: u64, chunk: u64, source: bool, resp: Response) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let Response::Layer(v) = resp else {
+            return self.rb_abort(session, "bad tags answer");
+        };
+        let tags: Vec<BlockTag> = v.into_iter().map(|(t, _)| t).collect();
+        let Some(c) = self.rebuilds[i].chunks.get_mut(&chunk) else {
+            return;
+        };
+        if tags.len() != c.blocks as usize {
+            return self.rb_abort(session, "short tags answer");
+        }
+        if source {
+            c.src = Some(tags);
+        } else {
+            c.tgt = Some(tags);
+        }
+        let (Some(s), Some(t)) = (&c.src, &c.tgt) else {
+            return;
+        };
+        let diff: Vec<bool> = s
+            .iter()
+            .zip(t.iter())
+            .map(|(a, b)| match (a, b) {
+                (BlockTag::Absent, BlockTag::Absent) => false,
+                (
+                    BlockTag::Present {
+                        tag: ta, zero: za, ..
+                    },
+                    BlockTag::Present {
+                        tag: tb,
+                        zero: zb,
+                        valid: vb,
+                    },
+                ) => !(ta == tb && za == zb && *vb),
+                _ => true,
+            })
+            .collect();
+        let Some(first) = diff.iter().position(|&d| d) else {
+            self.rebuilds[i].chunks.remove(&chunk);
+            return self.rb_pump(session);
+        };
+        let last = diff.iter().rposition(|&d| d).unwrap_or(first);
+        let (layer, lba) = (c.layer, c.lba);
+        c.lba = lba + first as u64;
+        c.blocks = (last - first + 1) as u32;
+        c.diff = diff[first..=last].to_vec();
+        let req = Request::ReadLayer {
+            epoch: self.epoch,
+            layer,
+            lba: c.lba,
+            blocks: c.blocks,
+            data: true,
+        };
+        let source_r = self.rebuilds[i].source;
+        self.send(source_r, req, Ctx::RbData { session, chunk });
+    }
+
+    fn rb_data(&mut self, session: u64, chunk: u64, resp: Response) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let Response::Layer(v) = resp else {
+            return self.rb_abort(session, "bad data answer");
+        };
+        let Some(c) = self.rebuilds[i].chunks.get(&chunk).cloned() else {
+            return;
+        };
+        if v.len() != c.blocks as usize {
+            return self.rb_abort(session, "short data answer");
+        }
+        let mut entries = Vec::with_capacity(v.len());
+        let mut copied = 0;
+        for (k, (t, d)) in v.into_iter().enumerate() {
+            if !c.diff[k] {
+                entries.push(CopyEntry::Skip);
+                continue;
+            }
+            copied += 1;
+            entries.push(match (t, d) {
+                (BlockTag::Absent, _) => CopyEntry::Absent,
+                (
+                    BlockTag::Present {
+                        tag,
+                        zero: true,
+                        valid: true,
+                    },
+                    _,
+                ) => CopyEntry::Zero(tag),
+                (
+                    BlockTag::Present {
+                        tag,
+                        zero: false,
+                        valid: true,
+                    },
+                    Some(d),
+                ) if d.len() == BLOCK_SIZE => CopyEntry::Data(tag, d),
+                _ => {
+                    // Bad copy on the source: never copy it; repair the source
+                    // from another replica and rebuild again.
+                    self.rebuilds[i].incomplete = true;
+                    let src = self.rebuilds[i].source;
+                    self.schedule_repair(src, c.layer, c.lba + k as u64);
+                    CopyEntry::Skip
+                }
+            });
+        }
+        self.status.blocks_copied += copied;
+        let target = self.rebuilds[i].target;
+        let req = Request::Copy {
+            epoch: self.epoch,
+            session,
+            layer: c.layer,
+            lba: c.lba,
+            entries,
+        };
+        self.send(target, req, Ctx::RbCopy { session, chunk });
+    }
+
+    fn rb_end(&mut self, session: u64, resp: Response) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let Response::Info(info) = resp else {
+            return self.rb_abort(session, "rebuild end refused");
+        };
+        let rb = self.rebuilds.remove(i);
+        let r = rb.target;
+        self.peers[r].role = Role::Active;
+        self.peers[r].acked = self.peers[r].acked.max(info.position);
+        self.status.rebuilds_done += 1;
+        info!(target = r, position = %info.position, "rebuild complete; replica active");
+        self.check_commits();
+        self.check_flushes();
+        self.pump();
+    }
+
+    /// Sends a repair for `lba` in `layer` on replica `bad_on`, reading the
+    /// good copy from another active replica.
+    fn schedule_repair(&mut self, bad_on: ReplicaId, layer: u64, lba: u64) {
+        let from = self.ids(Role::Active).into_iter().find(|&r| r != bad_on);
+        if let Some(from) = from {
+            let req = Request::ReadLayer {
+                epoch: self.epoch,
+                layer,
+                lba,
+                blocks: 1,
+                data: true,
+            };
+            self.send(from, req, Ctx::RepairRead { bad_on, layer, lba });
+        }
+    }
+
+    fn scrub_pump(&mut self) {
+        let size = self.size_blocks;
+        let chunk_n = self.cfg.rebuild_chunk.clamp(1, MAX_IO_BLOCKS as u32);
+        let actives = self.ids(Role::Active);
+        let epoch = self.epoch;
+        let Some((op, st)) = &mut self.scrub else {
+            return;
+        };
+        let op = *op;
+        let mut sends = Vec::new();
+        while st.chunks.len() < 4 {
+            if st.layer_idx >= st.layers.len() {
+                break;
+            }
+            if st.next_lba >= size {
+                st.layer_idx += 1;
+                st.next_lba = 0;
+                continue;
+            }
+            let layer = st.layers[st.layer_idx];
+            let lba = st.next_lba;
+            let blocks = (size - lba).min(chunk_n as u64) as u32;
+            st.next_lba += blocks as u64;
+            let chunk = st.next_chunk;
+            st.next_chunk += 1;
+            st.chunks
+                .insert(chunk, (layer, lba, blocks, HashMap::new(), actives.len()));
+            for &r in &actives {
+                sends.push((
+                    r,
+                    Request::ReadLayer {
+                        epoch,
+                        layer,
+                        lba,
+                        blocks,
+                        data: false,
+                    },
+                    Ctx::ScrubTags { op, chunk },
+                ));
+            }
+        }
+        let done = st.chunks.is_empty() && st.layer_idx >= st.layers.len();
+        for (r, req, ctx) in sends {
+            self.send(r, req, ctx);
+        }
+        if done && let Some((op, st)) = self.scrub.take() {
+            self.complete(op, Ok(OpOutput::Scrub(st.report)));
+        }
+    }
+
+    fn scrub_tags(&mut self, op: OpId, chunk: u64, from: ReplicaId, resp: Response) {
+        let Response::Layer(v) = resp else {
+            return self.peer_failed(from, "bad scrub answer");
+        };
+        let mut repairs = Vec::new();
+        {
+            let Some((sop, st)) = &mut self.scrub else {
+                return;
+            };
+            if *sop != op {
+                return;
+            }
+            let Some(c) = st.chunks.get_mut(&chunk) else {
+                return;
+            };
+            c.3.insert(from, v.into_iter().map(|(t, _)| t).collect());
+            if c.3.len() < c.4 {
+                return;
+            }
+            let Some((layer, lba, blocks, tags, _)) = st.chunks.remove(&chunk) else {
+                return;
+            };
+            for k in 0..blocks as usize {
+                let mut seen: Option<(Tag, bool)> = None;
+                let mut bad_on = Vec::new();
+                let mut divergent = false;
+                for (&r, t) in &tags {
+                    let Some(bt) = t.get(k) else { continue };
+                    st.report.checked += 1;
+                    match *bt {
+                        BlockTag::Absent => {
+                            if seen.is_some() {
+                                divergent = true;
+                            }
+                        }
+                        BlockTag::Present { tag, zero, valid } => {
+                            if !valid {
+                                st.report.bad += 1;
+                                bad_on.push(r);
+                            } else if let Some(s) = seen {
+                                if s != (tag, zero) {
+                                    divergent = true;
+                                }
+                            } else {
+                                seen = Some((tag, zero));
+                            }
+                        }
+                    }
+                }
+                if divergent {
+                    st.report.divergent += 1;
+                }
+                for r in bad_on {
+                    st.report.repaired += 1;
+                    repairs.push((r, layer, lba + k as u64));
+                }
+            }
+        }
+        for (r, layer, lba) in repairs {
+            self.schedule_repair(r, layer, lba);
+        }
+        self.scrub_pump();
+    }
+
+    /// Concatenates read data (helper for drivers that split requests).
+    pub fn join(parts: &[Bytes]) -> Bytes {
+        let mut b = BytesMut::new();
+        for p in parts {
+            b.extend_from_slice(p);
+        }
+        b.freeze()
+    }
+}

@@ -1,0 +1,778 @@
+// SPDX-License-Identifier: Apache-2.0
+//! Engine ⇄ replica messages and their binary codec.
+//!
+//! Every request carries the sender's epoch; replicas reject lower ones.
+//! Ordered operations (writes, snapshots, resize, ...) carry a [`Tag`] whose
+//! index must follow the replica's position. The codec is little-endian,
+//! length-checked, and returns a [`DecodeError`] naming the problem on any
+//! malformed input (it is fuzzed and property-tested).
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use crate::store::format::R;
+use crate::types::{
+    BLOCK_SIZE, BlockTag, LayerInfo, MAX_LAYERS, MAX_NAME_LEN, ReplicaInfo, ReplicaState, Tag,
+};
+
+/// Largest I/O in blocks per request (1 MiB).
+pub const MAX_IO_BLOCKS: usize = 256;
+/// Largest frame payload the codec accepts.
+pub const MAX_FRAME: usize = 64 + MAX_IO_BLOCKS * (BLOCK_SIZE + 32);
+
+/// A malformed message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct DecodeError(pub String);
+
+/// An ordered operation: applied by every replica in write-index order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Write `data` (a whole number of blocks) at block `lba`.
+    Write {
+        /// First block.
+        lba: u64,
+        /// Block data.
+        data: Bytes,
+    },
+    /// Write zeros (trim and write-zeroes both read back as zeros).
+    Zero {
+        /// First block.
+        lba: u64,
+        /// Number of blocks.
+        blocks: u32,
+    },
+    /// Freeze the head as snapshot `name`; start head `new_head`.
+    Snapshot {
+        /// Snapshot name.
+        name: String,
+        /// Id of the new head layer.
+        new_head: u64,
+    },
+    /// Delete snapshot layer `layer`.
+    DeleteSnapshot {
+        /// Layer id.
+        layer: u64,
+    },
+    /// Revert to snapshot layer `layer`, new head `new_head`.
+    Revert {
+        /// Layer id.
+        layer: u64,
+        /// Id of the new head layer.
+        new_head: u64,
+    },
+    /// Grow the volume to `size_blocks`.
+    Resize {
+        /// New size.
+        size_blocks: u64,
+    },
+}
+
+/// One block sent by rebuild or repair.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CopyEntry {
+    /// The layer holds no copy.
+    Absent,
+    /// A zero block written by `tag`.
+    Zero(Tag),
+    /// A data block written by `tag`.
+    Data(Tag, Bytes),
+    /// The source's copy is bad too: leave the target's block alone.
+    Skip,
+}
+
+/// A request from an engine to a replica.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    /// Report state; no side effects.
+    Probe,
+    /// Take epoch `epoch` for engine `engine` (must be higher than the
+    /// replica's, or equal with the same engine).
+    Attach {
+        /// New epoch.
+        epoch: u64,
+        /// Engine id.
+        engine: u64,
+    },
+    /// Confirm the epoch is still current (read fencing).
+    Ping {
+        /// Epoch.
+        epoch: u64,
+    },
+    /// An ordered operation.
+    Op {
+        /// Epoch.
+        epoch: u64,
+        /// Tag; index must be position + 1.
+        tag: Tag,
+        /// The operation.
+        op: Op,
+    },
+    /// Make every applied operation durable.
+    Flush {
+        /// Epoch.
+        epoch: u64,
+    },
+    /// Read through the layer chain (clean replicas only).
+    Read {
+        /// Epoch.
+        epoch: u64,
+        /// First block.
+        lba: u64,
+        /// Number of blocks.
+        blocks: u32,
+    },
+    /// Read one layer's blocks with their tags (rebuild source, scrub).
+    ReadLayer {
+        /// Epoch.
+        epoch: u64,
+        /// Layer id.
+        layer: u64,
+        /// First block.
+        lba: u64,
+        /// Number of blocks.
+        blocks: u32,
+        /// Include data (otherwise tags only; data is still verified).
+        data: bool,
+    },
+    /// Start rebuilding this replica.
+    RebuildBegin {
+        /// Epoch.
+        epoch: u64,
+        /// Rebuild session id (copies from other sessions are rejected).
+        session: u64,
+        /// Position the replica starts at; live ops follow it.
+        start: Tag,
+        /// Volume size in blocks.
+        size_blocks: u64,
+        /// Layer chain to adopt.
+        layers: Vec<LayerInfo>,
+    },
+    /// Blocks copied from the source.
+    Copy {
+        /// Epoch.
+        epoch: u64,
+        /// Rebuild session.
+        session: u64,
+        /// Layer id.
+        layer: u64,
+        /// First block.
+        lba: u64,
+        /// One entry per block.
+        entries: Vec<CopyEntry>,
+    },
+    /// Write the completion marker.
+    RebuildEnd {
+        /// Epoch.
+        epoch: u64,
+        /// Rebuild session.
+        session: u64,
+        /// Expected position.
+        position: Tag,
+    },
+    /// Replace bad copies of blocks with a peer's good ones.
+    Repair {
+        /// Epoch.
+        epoch: u64,
+        /// Layer id.
+        layer: u64,
+        /// First block.
+        lba: u64,
+        /// One entry per block.
+        entries: Vec<CopyEntry>,
+    },
+    /// Checkpoint and release the epoch's engine.
+    Detach {
+        /// Epoch.
+        epoch: u64,
+    },
+}
+
+/// Why a replica refused a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The replica has accepted a higher (or other engine's) epoch.
+    StaleEpoch {
+        /// Replica's epoch.
+        current: u64,
+    },
+    /// Ordered op does not follow the position.
+    OutOfOrder {
+        /// Replica's position.
+        position: Tag,
+    },
+    /// The replica is rebuilding and cannot serve this.
+    Rebuilding,
+    /// The replica hit an I/O error and must be re-attached and rebuilt.
+    Faulted,
+    /// The request is invalid.
+    Invalid(String),
+}
+
+/// A replica's answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Response {
+    /// State report (Probe, Attach, RebuildBegin, RebuildEnd).
+    Info(ReplicaInfo),
+    /// Done; the replica's position afterwards.
+    Ack(Tag),
+    /// Read data; `bad` lists blocks (lba, layer) that failed verification
+    /// (their bytes are zero and must not be used).
+    Data {
+        /// Block data.
+        data: Bytes,
+        /// Failed blocks.
+        bad: Vec<(u64, u64)>,
+    },
+    /// Layer read: per block its state and (when asked and valid) data.
+    Layer(Vec<(BlockTag, Option<Bytes>)>),
+    /// Refused.
+    Refused(Refusal),
+}
+
+/// A request with the id its response will carry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReqFrame {
+    /// Request id (echoed).
+    pub id: u64,
+    /// The request.
+    pub req: Request,
+}
+
+/// A response to request `id`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RespFrame {
+    /// Request id.
+    pub id: u64,
+    /// The response.
+    pub resp: Response,
+}
+
+fn err<T>(what: &str) -> Result<T, DecodeError> {
+    Err(DecodeError(what.to_string()))
+}
+
+struct Dec<'a>(R<'a>);
+
+impl<'a> Dec<'a> {
+    fn u8(&mut self, what: &str) -> Result<u8, DecodeError> {
+        self.0
+            .u8()
+            .ok_or_else(|| DecodeError(format!("truncated {what}")))
+    }
+    fn u32(&mut self, what: &str) -> Result<u32, DecodeError> {
+        self.0
+            .u32()
+            .ok_or_else(|| DecodeError(format!("truncated {what}")))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64, DecodeError> {
+        self.0
+            .u64()
+            .ok_or_else(|| DecodeError(format!("truncated {what}")))
+    }
+    fn tag(&mut self, what: &str) -> Result<Tag, DecodeError> {
+        Ok(Tag::new(self.u64(what)?, self.u64(what)?))
+    }
+    fn bytes(&mut self, n: usize, what: &str) -> Result<&'a [u8], DecodeError> {
+        self.0
+            .take(n)
+            .ok_or_else(|| DecodeError(format!("truncated {what}")))
+    }
+    fn blocks(&mut self, what: &str) -> Result<u32, DecodeError> {
+        let n = self.u32(what)?;
+        if n == 0 || n as usize > MAX_IO_BLOCKS {
+            return Err(DecodeError(format!(
+                "{what}: block count {n} not in 1..={MAX_IO_BLOCKS}"
+            )));
+        }
+        Ok(n)
+    }
+    fn name(&mut self) -> Result<String, DecodeError> {
+        let n = self.u8("name length")? as usize;
+        if n > MAX_NAME_LEN {
+            return err("name too long");
+        }
+        let b = self.bytes(n, "name")?;
+        std::str::from_utf8(b)
+            .map(str::to_string)
+            .map_err(|_| DecodeError("name is not UTF-8".into()))
+    }
+    fn layers(&mut self) -> Result<Vec<LayerInfo>, DecodeError> {
+        let n = self.u8("layer count")? as usize;
+        if n == 0 || n > MAX_LAYERS {
+            return err("layer count out of range");
+        }
+        let mut v = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = self.u64("layer id")?;
+            let created = self.tag("layer tag")?;
+            let name = self.name()?;
+            v.push(LayerInfo { id, name, created });
+        }
+        Ok(v)
+    }
+    fn entries(&mut self) -> Result<Vec<CopyEntry>, DecodeError> {
+        let n = self.blocks("entry count")?;
+        let mut v = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            v.push(match self.u8("entry kind")? {
+                0 => CopyEntry::Absent,
+                1 => CopyEntry::Zero(self.tag("entry tag")?),
+                2 => {
+                    let t = self.tag("entry tag")?;
+                    CopyEntry::Data(
+                        t,
+                        Bytes::copy_from_slice(self.bytes(BLOCK_SIZE, "entry data")?),
+                    )
+                }
+                3 => CopyEntry::Skip,
+                k => return Err(DecodeError(format!("unknown copy entry kind {k}"))),
+            });
+        }
+        Ok(v)
+    }
+    fn end(&self) -> Result<(), DecodeError> {
+        if self.0.remaining() != 0 {
+            return err("trailing bytes");
+        }
+        Ok(())
+    }
+}
+
+struct Enc(BytesMut);
+
+impl Enc {
+    fn tag(&mut self, t: Tag) {
+        self.0.put_u64_le(t.epoch);
+        self.0.put_u64_le(t.index);
+    }
+    fn name(&mut self, s: &str) {
+        let b = &s.as_bytes()[..s.len().min(MAX_NAME_LEN)];
+        self.0.put_u8(b.len() as u8);
+        self.0.put_slice(b);
+    }
+    fn layers(&mut self, l: &[LayerInfo]) {
+        self.0.put_u8(l.len().min(MAX_LAYERS) as u8);
+        for x in l.iter().take(MAX_LAYERS) {
+            self.0.put_u64_le(x.id);
+            self.tag(x.created);
+            self.name(&x.name);
+        }
+    }
+    fn entries(&mut self, e: &[CopyEntry]) {
+        self.0.put_u32_le(e.len() as u32);
+        for x in e {
+            match x {
+                CopyEntry::Absent => self.0.put_u8(0),
+                CopyEntry::Zero(t) => {
+                    self.0.put_u8(1);
+                    self.tag(*t);
+                }
+                CopyEntry::Data(t, d) => {
+                    self.0.put_u8(2);
+                    self.tag(*t);
+                    self.0.put_slice(d);
+                }
+                CopyEntry::Skip => self.0.put_u8(3),
+            }
+        }
+    }
+}
+
+impl ReqFrame {
+    /// Encodes the frame payload.
+    pub fn encode(&self) -> BytesMut {
+        let mut e = Enc(BytesMut::with_capacity(64));
+        e.0.put_u64_le(self.id);
+        match &self.req {
+            Request::Probe => e.0.put_u8(1),
+            Request::Attach { epoch, engine } => {
+                e.0.put_u8(2);
+                e.0.put_u64_le(*epoch);
+                e.0.put_u64_le(*engine);
+            }
+            Request::Ping { epoch } => {
+                e.0.put_u8(3);
+                e.0.put_u64_le(*epoch);
+            }
+            Request::Op { epoch, tag, op } => {
+                e.0.put_u8(4);
+                e.0.put_u64_le(*epoch);
+                e.tag(*tag);
+                match op {
+                    Op::Write { lba, data } => {
+                        e.0.put_u8(1);
+                        e.0.put_u64_le(*lba);
+                        e.0.put_u32_le((data.len() / BLOCK_SIZE) as u32);
+                        e.0.put_slice(data);
+                    }
+                    Op::Zero { lba, blocks } => {
+                        e.0.put_u8(2);
+                        e.0.put_u64_le(*lba);
+                        e.0.put_u32_le(*blocks);
+                    }
+                    Op::Snapshot { name, new_head } => {
+                        e.0.put_u8(3);
+                        e.name(name);
+                        e.0.put_u64_le(*new_head);
+                    }
+                    Op::DeleteSnapshot { layer } => {
+                        e.0.put_u8(4);
+                        e.0.put_u64_le(*layer);
+                    }
+                    Op::Revert { layer, new_head } => {
+                        e.0.put_u8(5);
+                        e.0.put_u64_le(*layer);
+                        e.0.put_u64_le(*new_head);
+                    }
+                    Op::Resize { size_blocks } => {
+                        e.0.put_u8(6);
+                        e.0.put_u64_le(*size_blocks);
+                    }
+                }
+            }
+            Request::Flush { epoch } => {
+                e.0.put_u8(5);
+                e.0.put_u64_le(*epoch);
+            }
+            Request::Read { epoch, lba, blocks } => {
+                e.0.put_u8(6);
+                e.0.put_u64_le(*epoch);
+                e.0.put_u64_le(*lba);
+                e.0.put_u32_le(*blocks);
+            }
+            Request::ReadLayer {
+                epoch,
+                layer,
+                lba,
+                blocks,
+                data,
+            } => {
+                e.0.put_u8(7);
+                e.0.put_u64_le(*epoch);
+                e.0.put_u64_le(*layer);
+                e.0.put_u64_le(*lba);
+                e.0.put_u32_le(*blocks);
+                e.0.put_u8(*data as u8);
+            }
+            Request::RebuildBegin {
+                epoch,
+                session,
+                start,
+                size_blocks,
+                layers,
+            } => {
+                e.0.put_u8(8);
+                e.0.put_u64_le(*epoch);
+                e.0.put_u64_le(*session);
+                e.tag(*start);
+                e.0.put_u64_le(*size_blocks);
+                e.layers(layers);
+            }
+            Request::Copy {
+                epoch,
+                session,
+                layer,
+                lba,
+                entries,
+            } => {
+                e.0.put_u8(9);
+                e.0.put_u64_le(*epoch);
+                e.0.put_u64_le(*session);
+                e.0.put_u64_le(*layer);
+                e.0.put_u64_le(*lba);
+                e.entries(entries);
+            }
+            Request::RebuildEnd {
+                epoch,
+                session,
+                position,
+            } => {
+                e.0.put_u8(10);
+                e.0.put_u64_le(*epoch);
+                e.0.put_u64_le(*session);
+                e.tag(*position);
+            }
+            Request::Repair {
+                epoch,
+                layer,
+                lba,
+                entries,
+            } => {
+                e.0.put_u8(11);
+                e.0.put_u64_le(*epoch);
+                e.0.put_u64_le(*layer);
+                e.0.put_u64_le(*lba);
+                e.entries(entries);
+            }
+            Request::Detach { epoch } => {
+                e.0.put_u8(12);
+                e.0.put_u64_le(*epoch);
+            }
+        }
+        e.0
+    }
+
+    /// Decodes a frame payload.
+    pub fn decode(buf: &[u8]) -> Result<ReqFrame, DecodeError> {
+        if buf.len() > MAX_FRAME {
+            return err("frame too large");
+        }
+        let mut d = Dec(R::new(buf));
+        let id = d.u64("request id")?;
+        let req = match d.u8("request kind")? {
+            1 => Request::Probe,
+            2 => Request::Attach {
+                epoch: d.u64("epoch")?,
+                engine: d.u64("engine")?,
+            },
+            3 => Request::Ping {
+                epoch: d.u64("epoch")?,
+            },
+            4 => {
+                let epoch = d.u64("epoch")?;
+                let tag = d.tag("tag")?;
+                let op = match d.u8("op kind")? {
+                    1 => {
+                        let lba = d.u64("lba")?;
+                        let n = d.blocks("write")?;
+                        let data = d.bytes(n as usize * BLOCK_SIZE, "write data")?;
+                        Op::Write {
+                            lba,
+                            data: Bytes::copy_from_slice(data),
+                        }
+                    }
+                    2 => Op::Zero {
+                        lba: d.u64("lba")?,
+                        blocks: d.blocks("zero")?,
+                    },
+                    3 => {
+                        let name = d.name()?;
+                        Op::Snapshot {
+                            name,
+                            new_head: d.u64("new head")?,
+                        }
+                    }
+                    4 => Op::DeleteSnapshot {
+                        layer: d.u64("layer")?,
+                    },
+                    5 => Op::Revert {
+                        layer: d.u64("layer")?,
+                        new_head: d.u64("new head")?,
+                    },
+                    6 => Op::Resize {
+                        size_blocks: d.u64("size")?,
+                    },
+                    k => return Err(DecodeError(format!("unknown op kind {k}"))),
+                };
+                Request::Op { epoch, tag, op }
+            }
+            5 => Request::Flush {
+                epoch: d.u64("epoch")?,
+            },
+            6 => Request::Read {
+                epoch: d.u64("epoch")?,
+                lba: d.u64("lba")?,
+                blocks: d.blocks("read")?,
+            },
+            7 => Request::ReadLayer {
+                epoch: d.u64("epoch")?,
+                layer: d.u64("layer")?,
+                lba: d.u64("lba")?,
+                blocks: d.blocks("read layer")?,
+                data: d.u8("data flag")? != 0,
+            },
+            8 => Request::RebuildBegin {
+                epoch: d.u64("epoch")?,
+                session: d.u64("session")?,
+                start: d.tag("start")?,
+                size_blocks: d.u64("size")?,
+                layers: d.layers()?,
+            },
+            9 => Request::Copy {
+                epoch: d.u64("epoch")?,
+                session: d.u64("session")?,
+                layer: d.u64("layer")?,
+                lba: d.u64("lba")?,
+                entries: d.entries()?,
+            },
+            10 => Request::RebuildEnd {
+                epoch: d.u64("epoch")?,
+                session: d.u64("session")?,
+                position: d.tag("position")?,
+            },
+            11 => Request::Repair {
+                epoch: d.u64("epoch")?,
+                layer: d.u64("layer")?,
+                lba: d.u64("lba")?,
+                entries: d.entries()?,
+            },
+            12 => Request::Detach {
+                epoch: d.u64("epoch")?,
+            },
+            k => return Err(DecodeError(format!("unknown request kind {k}"))),
+        };
+        d.end()?;
+        Ok(ReqFrame { id, req })
+    }
+}
+
+fn put_block_tag(e: &mut Enc, t: &BlockTag) {
+    match t {
+        BlockTag::Absent => e.0.put_u8(0),
+        BlockTag::Present { tag, zero, valid } => {
+            e.0.put_u8(1 | (*zero as u8) << 1 | (*valid as u8) << 2);
+            e.tag(*tag);
+        }
+    }
+}
+
+impl RespFrame {
+    /// Encodes the frame payload.
+    pub fn encode(&self) -> BytesMut {
+        let mut e = Enc(BytesMut::with_capacity(64));
+        e.0.put_u64_le(self.id);
+        match &self.resp {
+            Response::Info(i) => {
+                e.0.put_u8(1);
+                e.0.put_u64_le(i.epoch);
+                e.0.put_u64_le(i.engine);
+                e.0.put_u8(i.state.to_u8());
+                e.tag(i.position);
+                e.0.put_u64_le(i.size_blocks);
+                e.layers(&i.layers);
+            }
+            Response::Ack(t) => {
+                e.0.put_u8(2);
+                e.tag(*t);
+            }
+            Response::Data { data, bad } => {
+                e.0.put_u8(3);
+                e.0.put_u32_le((data.len() / BLOCK_SIZE) as u32);
+                e.0.put_slice(data);
+                e.0.put_u32_le(bad.len() as u32);
+                for (l, y) in bad {
+                    e.0.put_u64_le(*l);
+                    e.0.put_u64_le(*y);
+                }
+            }
+            Response::Layer(v) => {
+                e.0.put_u8(4);
+                e.0.put_u32_le(v.len() as u32);
+                for (t, d) in v {
+                    put_block_tag(&mut e, t);
+                    match d {
+                        Some(d) => {
+                            e.0.put_u8(1);
+                            e.0.put_slice(d);
+                        }
+                        None => e.0.put_u8(0),
+                    }
+                }
+            }
+            Response::Refused(r) => {
+                e.0.put_u8(5);
+                match r {
+                    Refusal::StaleEpoch { current } => {
+                        e.0.put_u8(1);
+                        e.0.put_u64_le(*current);
+                    }
+                    Refusal::OutOfOrder { position } => {
+                        e.0.put_u8(2);
+                        e.tag(*position);
+                    }
+                    Refusal::Rebuilding => e.0.put_u8(3),
+                    Refusal::Faulted => e.0.put_u8(4),
+                    Refusal::Invalid(s) => {
+                        e.0.put_u8(5);
+                        let b = &s.as_bytes()[..s.len().min(1024)];
+                        e.0.put_u16_le(b.len() as u16);
+                        e.0.put_slice(b);
+                    }
+                }
+            }
+        }
+        e.0
+    }
+
+    /// Decodes a frame payload.
+    pub fn decode(buf: &[u8]) -> Result<RespFrame, DecodeError> {
+        if buf.len() > MAX_FRAME {
+            return err("frame too large");
+        }
+        let mut d = Dec(R::new(buf));
+        let id = d.u64("response id")?;
+        let resp = match d.u8("response kind")? {
+            1 => Response::Info(ReplicaInfo {
+                epoch: d.u64("epoch")?,
+                engine: d.u64("engine")?,
+                state: ReplicaState::from_u8(d.u8("state")?)
+                    .ok_or_else(|| DecodeError("unknown replica state".into()))?,
+                position: d.tag("position")?,
+                size_blocks: d.u64("size")?,
+                layers: d.layers()?,
+            }),
+            2 => Response::Ack(d.tag("position")?),
+            3 => {
+                let n = d.blocks("data")?;
+                let data = Bytes::copy_from_slice(d.bytes(n as usize * BLOCK_SIZE, "data")?);
+                let nb = d.u32("bad count")?;
+                if nb > n {
+                    return err("more bad blocks than blocks");
+                }
+                let mut bad = Vec::with_capacity(nb as usize);
+                for _ in 0..nb {
+                    bad.push((d.u64("bad lba")?, d.u64("bad layer")?));
+                }
+                Response::Data { data, bad }
+            }
+            4 => {
+                let n = d.u32("layer entries")?;
+                if n as usize > MAX_IO_BLOCKS {
+                    return err("too many layer entries");
+                }
+                let mut v = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    let k = d.u8("block tag")?;
+                    let t = if k == 0 {
+                        BlockTag::Absent
+                    } else if k & 1 == 1 && k < 8 {
+                        BlockTag::Present {
+                            tag: d.tag("block tag")?,
+                            zero: k & 2 != 0,
+                            valid: k & 4 != 0,
+                        }
+                    } else {
+                        return err("bad block tag");
+                    };
+                    let data = match d.u8("data flag")? {
+                        0 => None,
+                        1 => Some(Bytes::copy_from_slice(d.bytes(BLOCK_SIZE, "block data")?)),
+                        _ => return err("bad data flag"),
+                    };
+                    v.push((t, data));
+                }
+                Response::Layer(v)
+            }
+            5 => Response::Refused(match d.u8("refusal")? {
+                1 => Refusal::StaleEpoch {
+                    current: d.u64("epoch")?,
+                },
+                2 => Refusal::OutOfOrder {
+                    position: d.tag("position")?,
+                },
+                3 => Refusal::Rebuilding,
+                4 => Refusal::Faulted,
+                5 => {
+                    let lo = d.u8("len")? as usize;
+                    let hi = d.u8("len")? as usize;
+                    let b = d.bytes(lo | hi << 8, "message")?;
+                    Refusal::Invalid(String::from_utf8_lossy(b).into_owned())
+                }
+                k => return Err(DecodeError(format!("unknown refusal {k}"))),
+            }),
+            k => return Err(DecodeError(format!("unknown response kind {k}"))),
+        };
+        d.end()?;
+        Ok(RespFrame { id, resp })
+    }
+}

@@ -1,0 +1,373 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The replica side of the protocol: validates epochs and ordering, then
+//! applies requests to a [`Store`].
+//!
+//! The replica is synchronous and deterministic: the same requests on the same
+//! store produce the same responses, so the simulator runs this exact code
+//! over simulated disks. A store I/O error *faults* the replica: it drops its
+//! in-memory state, refuses everything but `Probe`/`Attach`, and reopens the
+//! store (running crash recovery) on the next of those.
+
+use tracing::{debug, warn};
+
+use crate::error::Error;
+use crate::proto::msg::{CopyEntry, Op, Refusal, Request, Response};
+use crate::store::disk::StoreDir;
+use crate::store::{SetBlock, Store};
+use crate::types::{BLOCK_SIZE, BlockTag, ReplicaState, Tag};
+
+/// Opens the replica's store directory again after a fault.
+pub type DirFactory = Box<dyn Fn() -> Box<dyn StoreDir> + Send>;
+
+/// A replica: the protocol rules around one store.
+pub struct ReplicaCore {
+    store: Option<Store>,
+    reopen: DirFactory,
+    /// Current rebuild session, if a rebuild is running into this replica.
+    session: Option<u64>,
+    /// Position the running rebuild started at.
+    rebuild_start: Tag,
+}
+
+impl std::fmt::Debug for ReplicaCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaCore")
+            .field("store", &self.store.as_ref().map(|s| s.info()))
+            .field("session", &self.session)
+            .finish()
+    }
+}
+
+fn refused(r: Refusal) -> Response {
+    Response::Refused(r)
+}
+
+impl ReplicaCore {
+    /// Wraps an open store; `reopen` gives its directory again for recovery.
+    pub fn new(store: Store, reopen: DirFactory) -> ReplicaCore {
+        ReplicaCore {
+            store: Some(store),
+            reopen,
+            session: None,
+            rebuild_start: Tag::default(),
+        }
+    }
+
+    /// Opens the store in `reopen()`'s directory (crash recovery included).
+    pub fn open(reopen: DirFactory) -> crate::Result<ReplicaCore> {
+        let store = Store::open(reopen())?;
+        Ok(ReplicaCore::new(store, reopen))
+    }
+
+    /// The store, if not faulted.
+    pub fn store(&self) -> Option<&Store> {
+        self.store.as_ref()
+    }
+
+    /// Mutable store access (tests and fault injection).
+    pub fn store_mut(&mut self) -> Option<&mut Store> {
+        self.store.as_mut()
+    }
+
+    fn fault(&mut self, e: &Error) -> Response {
+        warn!(error = %e, "replica faulted; store will be reopened on next attach");
+        self.store = None;
+        self.session = None;
+        refused(Refusal::Faulted)
+    }
+
+    fn ensure_open(&mut self) -> bool {
+        if self.store.is_none() {
+            match Store::open((self.reopen)()) {
+                Ok(s) => {
+                    debug!("replica store reopened");
+                    self.store = Some(s);
+                }
+                Err(e) => {
+                    warn!(error = %e, "replica store reopen failed");
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Handles one request.
+    pub fn handle(&mut self, req: Request) -> Response {
+        if matches!(req, Request::Probe | Request::Attach { .. }) && !self.ensure_open() {
+            return refused(Refusal::Faulted);
+        }
+        let Some(store) = self.store.as_mut() else {
+            return refused(Refusal::Faulted);
+        };
+        let info = store.info();
+        let epoch_ok = |e: u64| e == info.epoch;
+        let stale = refused(Refusal::StaleEpoch {
+            current: info.epoch,
+        });
+        match req {
+            Request::Probe => Response::Info(info),
+            Request::Attach { epoch, engine } => {
+                if epoch > info.epoch {
+                    if let Err(e) = store.set_epoch(epoch, engine) {
+                        return self.fault(&e);
+                    }
+                    self.session = None;
+                    Response::Info(store.info())
+                } else if epoch == info.epoch && engine == info.engine {
+                    Response::Info(info)
+                } else {
+                    stale
+                }
+            }
+            Request::Ping { epoch } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                Response::Ack(info.position)
+            }
+            Request::Op { epoch, tag, op } => {
+                if !epoch_ok(epoch) || tag.epoch != epoch {
+                    return stale;
+                }
+                if info.state == ReplicaState::Rebuilding && self.session.is_none() {
+                    return refused(Refusal::Rebuilding);
+                }
+                if tag.index <= info.position.index {
+                    return Response::Ack(info.position);
+                }
+                if tag.index != info.position.index + 1 {
+                    return refused(Refusal::OutOfOrder {
+                        position: info.position,
+                    });
+                }
+                let res = match op {
+                    Op::Write { lba, data } => {
+                        let n = (data.len() / BLOCK_SIZE) as u32;
+                        if n == 0 || data.len() % BLOCK_SIZE != 0 {
+                            Err(Error::InvalidArgument("write length".into()))
+                        } else {
+                            store.write(tag, lba, n, Some(&data))
+                        }
+                    }
+                    Op::Zero { lba, blocks } => store.write(tag, lba, blocks, None),
+                    Op::Snapshot { name, new_head } => store.snapshot(tag, &name, new_head),
+                    Op::DeleteSnapshot { layer } => store.delete_snapshot(tag, layer),
+                    Op::Revert { layer, new_head } => store.revert(tag, layer, new_head),
+                    Op::Resize { size_blocks } => store.resize(tag, size_blocks),
+                };
+                match res {
+                    Ok(()) => Response::Ack(store.position()),
+                    Err(e @ (Error::InvalidArgument(_) | Error::OutOfRange { .. })) => {
+                        // Keep the sequence: the op becomes a no-op everywhere
+                        // (the engine validates first, so replicas agree).
+                        if let Err(e2) = store.advance(tag) {
+                            return self.fault(&e2);
+                        }
+                        refused(Refusal::Invalid(e.to_string()))
+                    }
+                    Err(e) => self.fault(&e),
+                }
+            }
+            Request::Flush { epoch } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                match store.flush() {
+                    Ok(()) => Response::Ack(store.position()),
+                    Err(e) => self.fault(&e),
+                }
+            }
+            Request::Read { epoch, lba, blocks } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                if info.state != ReplicaState::Clean {
+                    return refused(Refusal::Rebuilding);
+                }
+                let mut buf = vec![0u8; blocks as usize * BLOCK_SIZE];
+                match store.read(lba, blocks, &mut buf) {
+                    Ok(bad) => Response::Data {
+                        data: buf.into(),
+                        bad,
+                    },
+                    Err(e) => refused(Refusal::Invalid(e.to_string())),
+                }
+            }
+            Request::ReadLayer {
+                epoch,
+                layer,
+                lba,
+                blocks,
+                data,
+            } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                // Tags (no data) may be read from a rebuilding replica: the
+                // rebuild compares them to copy only what differs.
+                if info.state != ReplicaState::Clean && data {
+                    return refused(Refusal::Rebuilding);
+                }
+                match store.read_layer(layer, lba, blocks, data) {
+                    Ok(v) => Response::Layer(
+                        v.into_iter().map(|(t, d)| (t, d.map(Into::into))).collect(),
+                    ),
+                    Err(e) => refused(Refusal::Invalid(e.to_string())),
+                }
+            }
+            Request::RebuildBegin {
+                epoch,
+                session,
+                start,
+                size_blocks,
+                layers,
+            } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                match store.begin_rebuild(&layers, size_blocks, start) {
+                    Ok(()) => {
+                        self.session = Some(session);
+                        self.rebuild_start = start;
+                        Response::Info(store.info())
+                    }
+                    Err(e @ Error::InvalidArgument(_)) => refused(Refusal::Invalid(e.to_string())),
+                    Err(e) => self.fault(&e),
+                }
+            }
+            Request::Copy {
+                epoch,
+                session,
+                layer,
+                lba,
+                entries,
+            } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                if self.session != Some(session) {
+                    return refused(Refusal::Invalid("no such rebuild session".into()));
+                }
+                for (i, ent) in entries.iter().enumerate() {
+                    let b = lba + i as u64;
+                    let cur = store.entry(layer, b);
+                    let live = cur.is_some_and(|(t, _, _)| {
+                        t.epoch == epoch && t.index > self.rebuild_start.index
+                    });
+                    let res = match ent {
+                        CopyEntry::Skip => Ok(()),
+                        CopyEntry::Absent => {
+                            if cur.is_some() && !live {
+                                store.set_block(layer, b, SetBlock::Absent)
+                            } else {
+                                Ok(())
+                            }
+                        }
+                        CopyEntry::Zero(t) | CopyEntry::Data(t, _) => {
+                            let newer = cur.is_none_or(|(ct, _, _)| *t > ct);
+                            let same = cur.is_some_and(|(ct, z, valid)| {
+                                ct == *t && valid && z == matches!(ent, CopyEntry::Zero(_))
+                            });
+                            if (!live || newer) && !same {
+                                match ent {
+                                    CopyEntry::Data(t, d) => {
+                                        store.set_block(layer, b, SetBlock::Data(*t, d))
+                                    }
+                                    _ => store.set_block(layer, b, SetBlock::Zero(*t)),
+                                }
+                            } else {
+                                Ok(())
+                            }
+                        }
+                    };
+                    if let Err(e) = res {
+                        return match e {
+                            Error::InvalidArgument(_) | Error::OutOfRange { .. } => {
+                                refused(Refusal::Invalid(e.to_string()))
+                            }
+                            e => self.fault(&e),
+                        };
+                    }
+                }
+                Response::Ack(store.position())
+            }
+            Request::RebuildEnd {
+                epoch,
+                session,
+                position,
+            } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                if self.session != Some(session) {
+                    return refused(Refusal::Invalid("no such rebuild session".into()));
+                }
+                if store.position() != position {
+                    return refused(Refusal::OutOfOrder {
+                        position: store.position(),
+                    });
+                }
+                match store.mark_clean() {
+                    Ok(()) => {
+                        self.session = None;
+                        Response::Info(store.info())
+                    }
+                    Err(e) => self.fault(&e),
+                }
+            }
+            Request::Repair {
+                epoch,
+                layer,
+                lba,
+                entries,
+            } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                if info.state != ReplicaState::Clean {
+                    return refused(Refusal::Rebuilding);
+                }
+                for (i, ent) in entries.iter().enumerate() {
+                    let b = lba + i as u64;
+                    let cur = store.entry(layer, b);
+                    let bad = cur.is_some_and(|(_, _, valid)| !valid);
+                    let res = match ent {
+                        CopyEntry::Data(t, d) if bad => {
+                            store.set_block(layer, b, SetBlock::Data(*t, d))
+                        }
+                        CopyEntry::Zero(t) if bad => store.set_block(layer, b, SetBlock::Zero(*t)),
+                        _ => Ok(()),
+                    };
+                    if let Err(e) = res {
+                        return match e {
+                            Error::InvalidArgument(_) | Error::OutOfRange { .. } => {
+                                refused(Refusal::Invalid(e.to_string()))
+                            }
+                            e => self.fault(&e),
+                        };
+                    }
+                }
+                Response::Ack(store.position())
+            }
+            Request::Detach { epoch } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                match store.checkpoint() {
+                    Ok(()) => Response::Ack(store.position()),
+                    Err(e) => self.fault(&e),
+                }
+            }
+        }
+    }
+
+    /// Per-block state of a layer range (for tests and the simulator's
+    /// replica comparison).
+    pub fn layer_tags(&self, layer: u64, lba: u64, n: u32) -> Option<Vec<BlockTag>> {
+        let s = self.store.as_ref()?;
+        s.read_layer(layer, lba, n, false)
+            .ok()
+            .map(|v| v.into_iter().map(|(t, _)| t).collect())
+    }
+}

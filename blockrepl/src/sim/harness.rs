@@ -1,0 +1,1007 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The simulation harness: one seeded run of engines, replicas, disks,
+//! network and clients, with faults, then heal, then the oracle.
+//!
+//! Everything is a discrete event on one queue ordered by (time, sequence);
+//! every choice comes from one [`Prng`]; so a seed replays exactly.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+
+use bytes::Bytes;
+
+use super::disk::{DiskFaults, SimDisk};
+use super::oracle::{self, OpKind, OpRecord, ReadValue, Verdict};
+use super::rng::Prng;
+use crate::proto::engine::{Bugs, ClientOp, Engine, EngineConfig, OpOutput, Output, Phase};
+use crate::proto::msg::{ReqFrame, RespFrame};
+use crate::proto::replica::ReplicaCore;
+use crate::store::Store;
+use crate::store::disk::StoreDir;
+use crate::types::{BLOCK_SIZE, BlockTag, ReplicaState};
+
+/// Parameters of one run.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// The seed.
+    pub seed: u64,
+    /// Replicas `N`.
+    pub replicas: usize,
+    /// `min_write_replicas`.
+    pub w: usize,
+    /// Volume size in blocks.
+    pub blocks: u64,
+    /// Concurrent clients.
+    pub clients: usize,
+    /// Operations per client.
+    pub ops_per_client: usize,
+    /// Inject faults.
+    pub faults: bool,
+    /// Deliberate protocol bugs (to prove the oracle catches them).
+    pub bugs: Bugs,
+}
+
+impl SimConfig {
+    /// The default workload for `seed`.
+    pub fn new(seed: u64) -> SimConfig {
+        SimConfig {
+            seed,
+            replicas: 3,
+            w: 2,
+            blocks: 16,
+            clients: 3,
+            ops_per_client: 25,
+            faults: true,
+            bugs: Bugs::default(),
+        }
+    }
+}
+
+/// Outcome of one run.
+#[derive(Clone, Debug, Default)]
+pub struct SimReport {
+    /// The seed.
+    pub seed: u64,
+    /// Fault events injected.
+    pub faults: u64,
+    /// Operations checked by the oracle.
+    pub ops_checked: u64,
+    /// Client operations that completed successfully.
+    pub ops_ok: u64,
+    /// Violations found (must be empty).
+    pub violations: Vec<String>,
+    /// Acknowledged writes lost.
+    pub acked_lost: u64,
+    /// Blocks that differ between replicas after heal.
+    pub divergent: u64,
+    /// Simulated time at the end (µs).
+    pub sim_time: u64,
+    /// Engine failovers.
+    pub failovers: u64,
+}
+
+const TICK: u64 = 1_000; // µs per engine tick
+const CLIENT_TIMEOUT: u64 = 3_000_000;
+
+#[derive(Debug)]
+enum Ev {
+    /// Request to replica `to` from engine `eg`.
+    ToReplica {
+        to: usize,
+        eg: u32,
+        frame: ReqFrame,
+        sent: u64,
+    },
+    /// Response from replica `from` to engine `eg`.
+    ToEngine {
+        eg: u32,
+        from: usize,
+        frame: RespFrame,
+    },
+    Tick {
+        eg: u32,
+    },
+    ClientNext {
+        client: usize,
+    },
+    ClientTimeout {
+        client: usize,
+        op: usize,
+    },
+    Fault,
+    RestartReplica {
+        r: usize,
+    },
+    HealPartition {
+        r: usize,
+    },
+    ClearDisk {
+        r: usize,
+    },
+    ResumeEngine {
+        eg: u32,
+    },
+    StartEngine,
+    NetCalm,
+}
+
+struct ReplicaNode {
+    disk: SimDisk,
+    core: Option<ReplicaCore>,
+    busy_until: u64,
+    /// When the replica process last started: older connections are gone.
+    boot: u64,
+}
+
+struct EngineNode {
+    engine: Engine,
+    alive: bool,
+    paused_until: u64,
+    /// Events that arrived while paused.
+    backlog: Vec<Ev>,
+    /// op id → (client, history index)
+    ops: HashMap<u64, (usize, usize)>,
+}
+
+struct Client {
+    done: usize,
+    pending: Option<usize>,
+    seq: u64,
+}
+
+/// One simulation run.
+pub struct Sim {
+    cfg: SimConfig,
+    rng: Prng,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
+    events: HashMap<usize, Ev>,
+    next_ev: usize,
+    replicas: Vec<ReplicaNode>,
+    engines: Vec<EngineNode>,
+    current: Option<u32>,
+    clients: Vec<Client>,
+    history: Vec<OpRecord>,
+    era: u32,
+    next_op: u64,
+    partitioned: Vec<bool>,
+    /// Last delivery time per (engine eg, replica, direction) link: FIFO.
+    link_time: HashMap<(u32, usize, bool), u64>,
+    drop_p: f64,
+    dup_p: f64,
+    reorder_p: f64,
+    faults: u64,
+    failovers: u64,
+    healing: bool,
+    snap_n: u64,
+}
+
+impl std::fmt::Debug for Sim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sim")
+            .field("seed", &self.cfg.seed)
+            .field("now", &self.now)
+            .finish()
+    }
+}
+
+fn factory(d: &SimDisk) -> crate::proto::replica::DirFactory {
+    let d = d.clone();
+    Box::new(move || -> Box<dyn StoreDir> { Box::new(d.clone()) })
+}
+
+/// Runs one seed and checks it.
+pub fn run(cfg: SimConfig) -> SimReport {
+    let mut sim = Sim::new(cfg);
+    sim.run()
+}
+
+impl Sim {
+    /// Builds the world for `cfg`.
+    pub fn new(cfg: SimConfig) -> Sim {
+        let mut rng = Prng::new(cfg.seed);
+        let mut replicas = Vec::new();
+        for _ in 0..cfg.replicas {
+            let disk = SimDisk::new(rng.next_u64());
+            let store = Store::create(Box::new(disk.clone()), cfg.blocks, ReplicaState::Clean)
+                .unwrap_or_else(|e| panic!("sim store create: {e}"));
+            let mut store = store;
+            // Small WAL threshold so checkpoints happen often.
+            store.set_checkpoint_bytes(64 << 10);
+            let core = ReplicaCore::new(store, factory(&disk));
+            replicas.push(ReplicaNode {
+                disk,
+                core: Some(core),
+                busy_until: 0,
+                boot: 0,
+            });
+        }
+        let clients = (0..cfg.clients)
+            .map(|_| Client {
+                done: 0,
+                pending: None,
+                seq: 0,
+            })
+            .collect();
+        let n = cfg.replicas;
+        Sim {
+            rng,
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            events: HashMap::new(),
+            next_ev: 0,
+            replicas,
+            engines: Vec::new(),
+            current: None,
+            clients,
+            history: Vec::new(),
+            era: 0,
+            next_op: 1,
+            partitioned: vec![false; n],
+            link_time: HashMap::new(),
+            drop_p: 0.0,
+            dup_p: 0.0,
+            reorder_p: 0.0,
+            faults: 0,
+            failovers: 0,
+            healing: false,
+            snap_n: 0,
+            cfg,
+        }
+    }
+
+    fn at(&mut self, t: u64, ev: Ev) {
+        let id = self.next_ev;
+        self.next_ev += 1;
+        self.seq += 1;
+        self.events.insert(id, ev);
+        self.queue.push(Reverse((t, self.seq, id)));
+    }
+
+    fn start_engine(&mut self) {
+        let eg = self.engines.len() as u32;
+        let mut ecfg = EngineConfig::new(self.cfg.replicas, 1000 + eg as u64);
+        ecfg.min_write_replicas = self.cfg.w;
+        ecfg.request_timeout = 40;
+        ecfg.rejoin_interval = 15;
+        ecfg.rebuild_chunk = 8;
+        ecfg.bugs = self.cfg.bugs;
+        let engine = Engine::new(ecfg);
+        self.engines.push(EngineNode {
+            engine,
+            alive: true,
+            paused_until: 0,
+            backlog: Vec::new(),
+            ops: HashMap::new(),
+        });
+        self.current = Some(eg);
+        self.drain(eg);
+        self.at(self.now + TICK, Ev::Tick { eg });
+    }
+
+    /// Runs the workload, the faults, the heal and the checks.
+    pub fn run(&mut self) -> SimReport {
+        self.start_engine();
+        for c in 0..self.clients.len() {
+            let t = self.now + self.rng.range(0, 2_000);
+            self.at(t, Ev::ClientNext { client: c });
+        }
+        if self.cfg.faults {
+            let t = self.rng.range(2_000, 10_000);
+            self.at(t, Ev::Fault);
+        }
+        // Phase 1: workload under faults.
+        let limit = 60_000_000;
+        while self.now < limit {
+            if self
+                .clients
+                .iter()
+                .all(|c| c.done >= self.cfg.ops_per_client && c.pending.is_none())
+            {
+                break;
+            }
+            if !self.step() {
+                break;
+            }
+        }
+        let mut report = SimReport {
+            seed: self.cfg.seed,
+            ..Default::default()
+        };
+        if self.now >= limit {
+            report
+                .violations
+                .push("workload did not finish (liveness)".into());
+        }
+        // Phase 2: heal.
+        self.heal();
+        let deadline = self.now + 20_000_000;
+        while self.now < deadline {
+            if self.converged() {
+                break;
+            }
+            if !self.step() {
+                break;
+            }
+        }
+        if !self.converged() {
+            report.violations.push(format!(
+                "replicas did not converge after heal: {}",
+                self.describe()
+            ));
+        }
+        // Scrub (repairs rot) then read everything back.
+        self.final_ops(&mut report);
+        self.compare_replicas(&mut report);
+        let v: Verdict = oracle::check(&self.history, self.era);
+        report.ops_checked = v.ops_checked;
+        report.acked_lost = v.acked_lost;
+        report.violations.extend(v.violations);
+        report.faults = self.faults + self.replicas.iter().map(|r| r.disk.injected()).sum::<u64>();
+        report.ops_ok = self.history.iter().filter(|o| o.complete.is_some()).count() as u64;
+        report.sim_time = self.now;
+        report.failovers = self.failovers;
+        report
+    }
+
+    fn describe(&self) -> String {
+        match self.current {
+            Some(g) => format!("{:?}", self.engines[g as usize].engine.status()),
+            None => "no engine".into(),
+        }
+    }
+
+    fn converged(&self) -> bool {
+        let Some(g) = self.current else { return false };
+        let e = &self.engines[g as usize];
+        let st = e.engine.status();
+        st.phase == Phase::Running
+            && st.active.len() == self.cfg.replicas
+            && st.rebuilding.is_empty()
+    }
+
+    fn heal(&mut self) {
+        self.healing = true;
+        self.drop_p = 0.0;
+        self.dup_p = 0.0;
+        self.reorder_p = 0.0;
+        for r in 0..self.replicas.len() {
+            self.partitioned[r] = false;
+            self.replicas[r].disk.set_faults(DiskFaults {
+                slow: 1,
+                ..Default::default()
+            });
+            if self.replicas[r].core.is_none() {
+                self.restart_replica(r);
+            }
+        }
+        let need_new = match self.current {
+            Some(g) => {
+                let e = &self.engines[g as usize];
+                !e.alive || matches!(e.engine.phase(), Phase::Fenced | Phase::Detached)
+            }
+            None => true,
+        };
+        // Resume any paused engine now.
+        for g in 0..self.engines.len() {
+            if self.engines[g].paused_until > self.now {
+                self.engines[g].paused_until = self.now;
+                self.at(self.now, Ev::ResumeEngine { eg: g as u32 });
+            }
+        }
+        if need_new {
+            self.failovers += 1;
+            self.start_engine();
+        }
+    }
+
+    /// Processes one event; false if the queue is empty.
+    fn step(&mut self) -> bool {
+        let Some(Reverse((t, _, id))) = self.queue.pop() else {
+            return false;
+        };
+        self.now = self.now.max(t);
+        let Some(ev) = self.events.remove(&id) else {
+            return true;
+        };
+        self.handle(ev);
+        true
+    }
+
+    fn engine_paused(&self, eg: u32) -> bool {
+        let e = &self.engines[eg as usize];
+        e.paused_until > self.now
+    }
+
+    fn handle(&mut self, ev: Ev) {
+        match ev {
+            Ev::ToReplica {
+                to,
+                eg,
+                frame,
+                sent,
+            } => {
+                if self.replicas[to].core.is_none() || sent < self.replicas[to].boot {
+                    return;
+                }
+                if self.replicas[to].busy_until > self.now {
+                    let t = self.replicas[to].busy_until;
+                    self.at(
+                        t,
+                        Ev::ToReplica {
+                            to,
+                            eg,
+                            frame,
+                            sent,
+                        },
+                    );
+                    return;
+                }
+                let Some(core) = self.replicas[to].core.as_mut() else {
+                    return;
+                };
+                let resp = core.handle(frame.req);
+                let lat = self.rng.range(20, 120) * self.replicas[to].disk.latency_factor();
+                self.replicas[to].busy_until = self.now + lat;
+                let out = RespFrame { id: frame.id, resp };
+                let t = self.now + lat;
+                self.net_send(
+                    t,
+                    eg,
+                    to,
+                    false,
+                    Ev::ToEngine {
+                        eg,
+                        from: to,
+                        frame: out,
+                    },
+                );
+            }
+            Ev::ToEngine { eg, from, frame } => {
+                let g = eg as usize;
+                if !self.engines[g].alive {
+                    return;
+                }
+                if self.engine_paused(eg) {
+                    self.engines[g]
+                        .backlog
+                        .push(Ev::ToEngine { eg, from, frame });
+                    return;
+                }
+                self.engines[g].engine.step(from, frame.id, frame.resp);
+                self.drain(eg);
+            }
+            Ev::Tick { eg } => {
+                let g = eg as usize;
+                if !self.engines[g].alive {
+                    return;
+                }
+                if self.engine_paused(eg) {
+                    return; // ResumeEngine restarts ticking
+                }
+                self.engines[g].engine.tick();
+                self.drain(eg);
+                self.at(self.now + TICK, Ev::Tick { eg });
+            }
+            Ev::ResumeEngine { eg } => {
+                let g = eg as usize;
+                if !self.engines[g].alive || self.engine_paused(eg) {
+                    return;
+                }
+                // The clock ran on during the pause: catch up ticks, then the
+                // messages that waited.
+                let missed = self.rng.range(30, 80);
+                for _ in 0..missed {
+                    self.engines[g].engine.tick();
+                }
+                let backlog = std::mem::take(&mut self.engines[g].backlog);
+                for ev in backlog {
+                    self.handle(ev);
+                }
+                self.drain(eg);
+                self.at(self.now + TICK, Ev::Tick { eg });
+            }
+            Ev::ClientNext { client } => self.client_next(client),
+            Ev::ClientTimeout { client, op } => {
+                if self.clients[client].pending == Some(op) {
+                    // "Maybe happened": leave complete = None.
+                    self.clients[client].pending = None;
+                    self.clients[client].done += 1;
+                    let t = self.now + 100;
+                    self.at(t, Ev::ClientNext { client });
+                }
+            }
+            Ev::Fault => {
+                if !self.healing {
+                    self.inject_fault();
+                    let t = self.now + self.rng.range(3_000, 25_000);
+                    self.at(t, Ev::Fault);
+                }
+            }
+            Ev::RestartReplica { r } => {
+                if self.replicas[r].core.is_none() {
+                    self.restart_replica(r);
+                }
+            }
+            Ev::HealPartition { r } => self.partitioned[r] = false,
+            Ev::ClearDisk { r } => self.replicas[r].disk.set_faults(DiskFaults {
+                slow: 1,
+                ..Default::default()
+            }),
+            Ev::StartEngine => {
+                let dead = self.current.is_none_or(|g| {
+                    let e = &self.engines[g as usize];
+                    !e.alive || e.engine.phase() == Phase::Fenced
+                });
+                if dead || self.current.is_some_and(|g| self.engine_paused(g)) {
+                    self.failovers += 1;
+                    self.start_engine();
+                }
+            }
+            Ev::NetCalm => {
+                self.drop_p = 0.0;
+                self.dup_p = 0.0;
+                self.reorder_p = 0.0;
+            }
+        }
+    }
+
+    fn restart_replica(&mut self, r: usize) {
+        match ReplicaCore::open(factory(&self.replicas[r].disk)) {
+            Ok(mut core) => {
+                if let Some(s) = core.store_mut() {
+                    s.set_checkpoint_bytes(64 << 10);
+                }
+                self.replicas[r].core = Some(core);
+                self.replicas[r].busy_until = self.now;
+                self.replicas[r].boot = self.now;
+            }
+            Err(e) => {
+                // Only full-disk can make recovery fail; retry later.
+                let _ = e;
+                let t = self.now + 5_000;
+                self.at(t, Ev::RestartReplica { r });
+            }
+        }
+    }
+
+    fn net_send(&mut self, t: u64, eg: u32, r: usize, to_replica: bool, ev: Ev) {
+        if self.partitioned[r] {
+            return;
+        }
+        if self.rng.chance(self.drop_p) {
+            return;
+        }
+        let mut deliver = t + self.rng.range(50, 400);
+        let key = (eg, r, to_replica);
+        if !self.rng.chance(self.reorder_p) {
+            let last = self.link_time.get(&key).copied().unwrap_or(0);
+            deliver = deliver.max(last);
+            self.link_time.insert(key, deliver);
+        }
+        if self.rng.chance(self.dup_p) {
+            let dup = match &ev {
+                Ev::ToReplica {
+                    to,
+                    eg,
+                    frame,
+                    sent,
+                } => Some(Ev::ToReplica {
+                    to: *to,
+                    eg: *eg,
+                    frame: frame.clone(),
+                    sent: *sent,
+                }),
+                Ev::ToEngine { eg, from, frame } => Some(Ev::ToEngine {
+                    eg: *eg,
+                    from: *from,
+                    frame: frame.clone(),
+                }),
+                _ => None,
+            };
+            if let Some(d) = dup {
+                let t2 = deliver + self.rng.range(0, 2_000);
+                self.at(t2, d);
+            }
+        }
+        self.at(deliver, ev);
+    }
+
+    fn drain(&mut self, eg: u32) {
+        let g = eg as usize;
+        while let Some(o) = self.engines[g].engine.poll_output() {
+            match o {
+                Output::Send { to, frame } => {
+                    let now = self.now;
+                    self.net_send(
+                        now,
+                        eg,
+                        to,
+                        true,
+                        Ev::ToReplica {
+                            to,
+                            eg,
+                            frame,
+                            sent: now,
+                        },
+                    );
+                }
+                Output::Complete { id, result } => {
+                    let Some((client, hi)) = self.engines[g].ops.remove(&id) else {
+                        continue;
+                    };
+                    self.op_done(client, hi, result);
+                }
+            }
+        }
+    }
+
+    fn op_done(&mut self, client: usize, hi: usize, result: crate::Result<OpOutput>) {
+        if client < self.clients.len() && self.clients[client].pending != Some(hi) {
+            return; // timed out already
+        }
+        if let Ok(out) = result {
+            let now = self.now;
+            let rec = &mut self.history[hi];
+            rec.complete = Some(now);
+            if let (OpKind::Read { lba, values }, OpOutput::Data(d)) = (&mut rec.kind, out) {
+                let lba = *lba;
+                for (k, v) in values.iter_mut().enumerate() {
+                    *v = d
+                        .get(k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE)
+                        .map_or(ReadValue::Garbage, |blk| {
+                            oracle::decode_value(lba + k as u64, blk)
+                        });
+                }
+            }
+        }
+        if client < self.clients.len() {
+            self.clients[client].pending = None;
+            self.clients[client].done += 1;
+            let t = self.now + self.rng.range(0, 1_500);
+            self.at(t, Ev::ClientNext { client });
+        }
+    }
+
+    fn submit(&mut self, client: usize, kind: OpKind, op: ClientOp) -> Option<usize> {
+        let eg = self.current?;
+        let hi = self.history.len();
+        self.history.push(OpRecord {
+            kind,
+            invoke: self.now,
+            complete: None,
+            era: self.era,
+        });
+        let id = self.next_op;
+        self.next_op += 1;
+        let g = eg as usize;
+        self.engines[g].ops.insert(id, (client, hi));
+        if client < self.clients.len() {
+            self.clients[client].pending = Some(hi);
+            let t = self.now + CLIENT_TIMEOUT;
+            self.at(t, Ev::ClientTimeout { client, op: hi });
+        }
+        if self.engines[g].alive && !self.engine_paused(eg) {
+            self.engines[g].engine.submit(id, op);
+            self.drain(eg);
+        } else if self.engines[g].alive {
+            // Paused engine: the request waits in its inbox.
+            self.engines[g].engine.submit(id, op);
+        }
+        Some(hi)
+    }
+
+    fn client_next(&mut self, client: usize) {
+        if self.clients[client].done >= self.cfg.ops_per_client
+            || self.clients[client].pending.is_some()
+        {
+            return;
+        }
+        let usable = self.current.is_some_and(|g| self.engines[g as usize].alive);
+        if !usable {
+            let t = self.now + 1_000;
+            self.at(t, Ev::ClientNext { client });
+            return;
+        }
+        let blocks = self.cfg.blocks;
+        let n = self.rng.range(1, 3).min(blocks);
+        let lba = self.rng.below(blocks - n + 1);
+        let roll = self.rng.below(100);
+        let eg = self.current.unwrap_or(0);
+        if roll < 50 {
+            self.clients[client].seq += 1;
+            let seq = self.clients[client].seq;
+            let mut data = Vec::with_capacity(n as usize * BLOCK_SIZE);
+            for b in lba..lba + n {
+                data.extend_from_slice(&oracle::encode_value(client as u32, seq, b, eg));
+            }
+            self.submit(
+                client,
+                OpKind::Write {
+                    lba,
+                    blocks: n as u32,
+                    key: (client as u32, seq),
+                },
+                ClientOp::Write {
+                    lba,
+                    data: Bytes::from(data),
+                },
+            );
+        } else if roll < 85 {
+            self.submit(
+                client,
+                OpKind::Read {
+                    lba,
+                    values: vec![ReadValue::Garbage; n as usize],
+                },
+                ClientOp::Read {
+                    lba,
+                    blocks: n as u32,
+                },
+            );
+        } else if roll < 89 {
+            self.submit(
+                client,
+                OpKind::Zero {
+                    lba,
+                    blocks: n as u32,
+                },
+                ClientOp::Zero {
+                    lba,
+                    blocks: n as u32,
+                },
+            );
+        } else if roll < 97 {
+            self.submit(client, OpKind::Flush, ClientOp::Flush);
+        } else {
+            // Snapshot churn: create, and delete the oldest beyond two.
+            self.snap_n += 1;
+            let name = format!("s{}", self.snap_n);
+            let op = if self.snap_n % 3 == 0 {
+                ClientOp::DeleteSnapshot {
+                    name: format!("s{}", self.snap_n - 2),
+                }
+            } else {
+                ClientOp::Snapshot { name }
+            };
+            // Not part of the register history: recorded as a flush-less no-op.
+            self.submit(
+                client,
+                OpKind::Read {
+                    lba: 0,
+                    values: vec![],
+                },
+                op,
+            );
+        }
+    }
+
+    fn inject_fault(&mut self) {
+        let r = self.rng.below(self.cfg.replicas as u64) as usize;
+        self.faults += 1;
+        match self.rng.below(14) {
+            0 | 1 => {
+                // Partition a replica from every engine.
+                self.partitioned[r] = true;
+                let t = self.now + self.rng.range(5_000, 120_000);
+                self.at(t, Ev::HealPartition { r });
+            }
+            2 | 3 => {
+                // Replica process crash (page cache survives).
+                self.replicas[r].core = None;
+                let t = self.now + self.rng.range(2_000, 80_000);
+                self.at(t, Ev::RestartReplica { r });
+            }
+            4 => {
+                // Power loss of one node: unsynced writes kept, dropped or torn.
+                self.replicas[r].core = None;
+                let mut rng = self.rng.fork();
+                self.replicas[r].disk.power_loss(&mut rng);
+                let t = self.now + self.rng.range(2_000, 80_000);
+                self.at(t, Ev::RestartReplica { r });
+            }
+            5 => {
+                // Slow disk, possibly slower than the request timeout.
+                let slow = if self.rng.chance(0.5) { 20 } else { 600 };
+                let mut f = self.replicas[r].disk.faults();
+                f.slow = slow;
+                self.replicas[r].disk.set_faults(f);
+                let t = self.now + self.rng.range(10_000, 100_000);
+                self.at(t, Ev::ClearDisk { r });
+            }
+            6 => {
+                let mut f = self.replicas[r].disk.faults();
+                f.full = true;
+                self.replicas[r].disk.set_faults(f);
+                let t = self.now + self.rng.range(5_000, 50_000);
+                self.at(t, Ev::ClearDisk { r });
+            }
+            7 => {
+                let mut rng = self.rng.fork();
+                self.replicas[r].disk.bit_rot(&mut rng);
+            }
+            8 => {
+                let mut rng = self.rng.fork();
+                self.replicas[r].disk.latent_error(&mut rng);
+            }
+            9 => {
+                let mut f = self.replicas[r].disk.faults();
+                f.misdirect = 0.05;
+                self.replicas[r].disk.set_faults(f);
+                let t = self.now + self.rng.range(5_000, 30_000);
+                self.at(t, Ev::ClearDisk { r });
+            }
+            10 => {
+                // Network trouble: drops, duplicates, reordering.
+                self.drop_p = 0.01;
+                self.dup_p = 0.02;
+                self.reorder_p = 0.01;
+                let t = self.now + self.rng.range(5_000, 40_000);
+                self.at(t, Ev::NetCalm);
+            }
+            11 => {
+                // Engine crash; a new engine takes over shortly after.
+                if let Some(g) = self.current {
+                    self.kill_engine(g);
+                    let t = self.now + self.rng.range(1_000, 20_000);
+                    self.at(t, Ev::StartEngine);
+                }
+            }
+            12 => {
+                // Engine pause longer than every timeout; a new engine takes
+                // over meanwhile; the old one wakes up as a zombie.
+                if let Some(g) = self.current
+                    && !self.engine_paused(g)
+                {
+                    let until = self.now + self.rng.range(100_000, 400_000);
+                    self.engines[g as usize].paused_until = until;
+                    self.at(until, Ev::ResumeEngine { eg: g });
+                    let t = self.now + self.rng.range(1_000, 50_000);
+                    self.at(t, Ev::StartEngine);
+                }
+            }
+            _ => {
+                if self.rng.chance(0.3) {
+                    // Total power loss: every replica and the engine.
+                    for i in 0..self.replicas.len() {
+                        self.replicas[i].core = None;
+                        let mut rng = self.rng.fork();
+                        self.replicas[i].disk.power_loss(&mut rng);
+                        let t = self.now + self.rng.range(1_000, 10_000);
+                        self.at(t, Ev::RestartReplica { r: i });
+                    }
+                    for g in 0..self.engines.len() {
+                        self.kill_engine(g as u32);
+                    }
+                    self.era += 1;
+                    let t = self.now + 12_000;
+                    self.at(t, Ev::StartEngine);
+                } else {
+                    // Two replicas crash at once.
+                    let r2 = (r + 1) % self.replicas.len();
+                    for i in [r, r2] {
+                        self.replicas[i].core = None;
+                        let t = self.now + self.rng.range(2_000, 60_000);
+                        self.at(t, Ev::RestartReplica { r: i });
+                    }
+                }
+            }
+        }
+    }
+
+    fn kill_engine(&mut self, g: u32) {
+        let gi = g as usize;
+        if !self.engines[gi].alive {
+            return;
+        }
+        self.engines[gi].alive = false;
+        if self.current == Some(g) {
+            self.current = None;
+        }
+        // Its clients see the connection drop: ops become "maybe".
+        let ops: Vec<(usize, usize)> = self.engines[gi].ops.drain().map(|(_, v)| v).collect();
+        for (client, hi) in ops {
+            if client < self.clients.len() && self.clients[client].pending == Some(hi) {
+                self.clients[client].pending = None;
+                self.clients[client].done += 1;
+                let t = self.now + 100;
+                self.at(t, Ev::ClientNext { client });
+            }
+        }
+    }
+
+    fn run_op(&mut self, kind: OpKind, op: ClientOp) -> Option<usize> {
+        let hi = self.submit(usize::MAX, kind, op)?;
+        let deadline = self.now + 10_000_000;
+        while self.history[hi].complete.is_none() && self.now < deadline {
+            if !self.step() {
+                break;
+            }
+            // Completion of a usize::MAX client op is recorded by op_done.
+        }
+        Some(hi)
+    }
+
+    fn final_ops(&mut self, report: &mut SimReport) {
+        // Scrub repairs rotten copies; then let the repairs land.
+        if let Some(hi) = self.run_op(OpKind::Flush, ClientOp::Scrub)
+            && self.history[hi].complete.is_none()
+        {
+            report
+                .violations
+                .push("final scrub did not complete".into());
+        }
+        let until = self.now + 200_000;
+        while self.now < until && self.step() {}
+        // Read every block back (part of the history).
+        for lba in 0..self.cfg.blocks {
+            let hi = self.run_op(
+                OpKind::Read {
+                    lba,
+                    values: vec![ReadValue::Garbage],
+                },
+                ClientOp::Read { lba, blocks: 1 },
+            );
+            if hi.is_none_or(|h| self.history[h].complete.is_none()) {
+                report
+                    .violations
+                    .push(format!("final read of block {lba} failed"));
+            }
+        }
+        let _ = self.run_op(OpKind::Flush, ClientOp::Flush);
+    }
+
+    fn compare_replicas(&mut self, report: &mut SimReport) {
+        let mut images: Vec<BTreeMap<(u64, u64), (BlockTag, Option<Vec<u8>>)>> = Vec::new();
+        for r in 0..self.replicas.len() {
+            let Some(core) = self.replicas[r].core.as_ref() else {
+                report
+                    .violations
+                    .push(format!("replica {r} down after heal"));
+                return;
+            };
+            let Some(store) = core.store() else {
+                report
+                    .violations
+                    .push(format!("replica {r} faulted after heal"));
+                return;
+            };
+            let mut img = BTreeMap::new();
+            for layer in store.layer_ids() {
+                let Ok(v) = store.read_layer(layer, 0, self.cfg.blocks as u32, true) else {
+                    report
+                        .violations
+                        .push(format!("replica {r} layer {layer} unreadable"));
+                    return;
+                };
+                for (i, (t, d)) in v.into_iter().enumerate() {
+                    img.insert((layer, i as u64), (t, d));
+                }
+            }
+            images.push(img);
+        }
+        let Some(first) = images.first() else { return };
+        let mut div = 0;
+        for img in &images[1..] {
+            if img.keys().ne(first.keys()) {
+                div += 1;
+                continue;
+            }
+            for (k, v) in img {
+                let a = &first[k];
+                let bad = |t: &BlockTag| matches!(t, BlockTag::Present { valid: false, .. });
+                if a != v || bad(&a.0) || bad(&v.0) {
+                    div += 1;
+                }
+            }
+        }
+        report.divergent = div;
+        if div > 0 {
+            report
+                .violations
+                .push(format!("{div} blocks differ between replicas after heal"));
+        }
+    }
+}

@@ -1,0 +1,168 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The store's view of a disk: a directory of files with positional I/O.
+//!
+//! [`StdDir`] maps it to real files; the simulator maps it to in-memory files
+//! that lose unsynced writes on power loss, tear, misdirect and rot.
+
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// One file of a replica store.
+///
+/// Reads past the end of the file return zeros (sparse semantics). Writes are
+/// durable only after [`StoreFile::sync`] returns.
+pub trait StoreFile: Send + fmt::Debug {
+    /// Reads exactly `buf.len()` bytes at `off`; bytes past the end read as zero.
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()>;
+    /// Writes all of `buf` at `off`, growing the file if needed.
+    fn write_at(&mut self, buf: &[u8], off: u64) -> io::Result<()>;
+    /// Makes every earlier write durable.
+    fn sync(&mut self) -> io::Result<()>;
+    /// Current length in bytes.
+    fn len(&self) -> io::Result<u64>;
+    /// Truncates or extends the file.
+    fn set_len(&mut self, len: u64) -> io::Result<()>;
+    /// Deallocates a range so it reads as zeros. The default writes zeros.
+    fn punch_hole(&mut self, off: u64, len: u64) -> io::Result<()> {
+        let zeros = vec![0u8; len as usize];
+        self.write_at(&zeros, off)
+    }
+}
+
+/// A directory of store files.
+pub trait StoreDir: Send + fmt::Debug {
+    /// Opens (and with `create`, creates) a file.
+    fn open(&self, name: &str, create: bool) -> io::Result<Box<dyn StoreFile>>;
+    /// Removes a file; a missing file is not an error.
+    fn remove(&self, name: &str) -> io::Result<()>;
+    /// Names of the files in the directory.
+    fn list(&self) -> io::Result<Vec<String>>;
+    /// Makes creations and removals durable.
+    fn sync_dir(&self) -> io::Result<()>;
+}
+
+/// A store directory on the local file system.
+#[derive(Debug, Clone)]
+pub struct StdDir {
+    path: PathBuf,
+}
+
+impl StdDir {
+    /// Uses `path` (created if missing) as a store directory.
+    pub fn new(path: impl AsRef<Path>) -> io::Result<StdDir> {
+        fs::create_dir_all(path.as_ref())?;
+        Ok(StdDir {
+            path: path.as_ref().to_path_buf(),
+        })
+    }
+
+    /// The directory path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+#[derive(Debug)]
+struct StdFile {
+    file: File,
+}
+
+impl StoreFile for StdFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        let mut done = 0;
+        while done < buf.len() {
+            let n = self.file.read_at(&mut buf[done..], off + done as u64)?;
+            if n == 0 {
+                buf[done..].fill(0);
+                break;
+            }
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn write_at(&mut self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.file.write_all_at(buf, off)
+    }
+
+    fn sync(&mut self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+
+    fn set_len(&mut self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)
+    }
+
+    fn punch_hole(&mut self, off: u64, len: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let end = off + len;
+        if end > self.len()? {
+            // Punching past EOF would not extend the file; callers expect zeros
+            // in range, which reads past EOF already give.
+            let cur = self.len()?;
+            if off >= cur {
+                return Ok(());
+            }
+            return self.punch_hole(off, cur - off);
+        }
+        // SAFETY: fallocate only reads its integer arguments; the descriptor is
+        // owned by `self.file` and stays open for the duration of the call.
+        let rc = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                off as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            // File systems without hole punching: write zeros instead.
+            let zeros = vec![0u8; len as usize];
+            self.file.write_all_at(&zeros, off)
+        }
+    }
+}
+
+impl StoreDir for StdDir {
+    fn open(&self, name: &str, create: bool) -> io::Result<Box<dyn StoreFile>> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .truncate(false)
+            .open(self.path.join(name))?;
+        Ok(Box::new(StdFile { file }))
+    }
+
+    fn remove(&self, name: &str) -> io::Result<()> {
+        match fs::remove_file(self.path.join(name)) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
+    }
+
+    fn list(&self) -> io::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(&self.path)? {
+            let entry = entry?;
+            if let Some(name) = entry.file_name().to_str() {
+                out.push(name.to_string());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    fn sync_dir(&self) -> io::Result<()> {
+        File::open(&self.path)?.sync_all()
+    }
+}

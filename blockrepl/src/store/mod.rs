@@ -1,0 +1,888 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The replica store: one volume's copy on local files.
+//!
+//! ```text
+//!  superblock   two 4 KiB slots, written alternately (generation + CRC)
+//!  wal          write-ahead log: every mutation is appended here first
+//!  layer-N.data sparse data file of layer N (block b at b * 4096)
+//!  layer-N.meta per-block metadata of layer N (tag, CRC covering the address)
+//! ```
+//!
+//! Layers form a copy-on-write chain: snapshots at the bottom, the head on
+//! top; reads take each block from the topmost layer that holds it.
+//!
+//! Every write is appended to the WAL (header + data, one CRC) and is durable
+//! once [`Store::flush`] has synced the WAL. A *checkpoint* copies the WAL's
+//! blocks into the layer files, syncs them, then writes a superblock with the
+//! new position and a new WAL generation; only then may WAL space be reused.
+//! Layer files are therefore only written with data that is already durable
+//! in the WAL, so a torn or lost layer write is repaired by replaying the WAL
+//! on open, and a torn WAL tail is simply an unflushed write that never
+//! happened. Recovery replays the longest valid prefix of the WAL and then
+//! checkpoints, so stale records are never replayed twice.
+
+pub mod disk;
+pub mod format;
+
+use std::collections::{BTreeSet, HashMap};
+
+use tracing::{debug, warn};
+
+use crate::error::{Error, Result};
+use crate::types::{
+    BLOCK_SIZE, BLOCK_SIZE_U64, BlockTag, LayerInfo, MAX_LAYERS, MAX_NAME_LEN, ReplicaInfo,
+    ReplicaState, Tag, block_crc,
+};
+use disk::{StoreDir, StoreFile};
+use format::{
+    BlockMeta, META_PRESENT, META_SIZE, META_ZERO, SB_SLOT, Superblock, WAL_HDR, WalHeader, WalKind,
+};
+
+const SB_NAME: &str = "superblock";
+const WAL_NAME: &str = "wal";
+/// WAL size above which a flush also checkpoints.
+const CHECKPOINT_BYTES: u64 = 64 << 20;
+
+#[derive(Clone, Copy, Debug)]
+enum Loc {
+    /// In the layer's data file (or nowhere, for zero blocks).
+    Layer,
+    /// In the WAL, data at this offset.
+    Wal(u64),
+    /// The metadata entry itself is damaged.
+    Damaged,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    meta: BlockMeta,
+    loc: Loc,
+}
+
+#[derive(Debug)]
+struct Layer {
+    info: LayerInfo,
+    data: Box<dyn StoreFile>,
+    meta: Box<dyn StoreFile>,
+    blocks: HashMap<u64, Entry>,
+}
+
+/// What to put into a block of a layer during rebuild or repair.
+#[derive(Clone, Copy, Debug)]
+pub enum SetBlock<'a> {
+    /// Block data written by `tag`.
+    Data(Tag, &'a [u8]),
+    /// A zero block written by `tag`.
+    Zero(Tag),
+    /// No copy in this layer.
+    Absent,
+}
+
+/// A replica's store. All methods are synchronous; callers run them on a
+/// thread that may block (or in the simulator, on simulated files).
+#[derive(Debug)]
+pub struct Store {
+    dir: Box<dyn StoreDir>,
+    sb_file: Box<dyn StoreFile>,
+    sb: Superblock,
+    wal: Box<dyn StoreFile>,
+    wal_len: u64,
+    layers: Vec<Layer>,
+    position: Tag,
+    /// (layer id, lba) with WAL-resident changes not yet checkpointed.
+    dirty: BTreeSet<(u64, u64)>,
+    checkpoint_bytes: u64,
+}
+
+fn layer_names(id: u64) -> (String, String) {
+    (format!("layer-{id}.data"), format!("layer-{id}.meta"))
+}
+
+impl Store {
+    /// Creates an empty store of `size_blocks` blocks in `dir`, replacing any
+    /// store there. The new replica is `Rebuilding` at position 0:0 until an
+    /// engine either adopts it as the first copy of a new volume (see
+    /// [`Store::mark_clean`]) or rebuilds it.
+    pub fn create(dir: Box<dyn StoreDir>, size_blocks: u64, state: ReplicaState) -> Result<Store> {
+        for name in dir.list().map_err(Error::store("list"))? {
+            if name == SB_NAME || name == WAL_NAME || name.starts_with("layer-") {
+                dir.remove(&name).map_err(Error::store("remove"))?;
+            }
+        }
+        let head = LayerInfo {
+            id: 1,
+            name: String::new(),
+            created: Tag::default(),
+        };
+        let sb = Superblock {
+            generation: 0,
+            size_blocks,
+            epoch: 0,
+            engine: 0,
+            state,
+            position: Tag::default(),
+            wal_gen: 1,
+            layers: vec![head.clone()],
+        };
+        let mut sb_file = dir.open(SB_NAME, true).map_err(Error::store("create"))?;
+        sb_file
+            .set_len(2 * SB_SLOT as u64)
+            .map_err(Error::store("create"))?;
+        let wal = dir.open(WAL_NAME, true).map_err(Error::store("create"))?;
+        let layer = Self::open_layer(&*dir, head, true)?;
+        dir.sync_dir().map_err(Error::store("create"))?;
+        let mut s = Store {
+            dir,
+            sb_file,
+            sb,
+            wal,
+            wal_len: 0,
+            layers: vec![layer],
+            position: Tag::default(),
+            dirty: BTreeSet::new(),
+            checkpoint_bytes: CHECKPOINT_BYTES,
+        };
+        s.write_sb()?;
+        s.write_sb()?; // both slots valid
+        Ok(s)
+    }
+
+    /// Opens an existing store, recovering from a crash: picks the newest
+    /// valid superblock, loads layer metadata, replays the valid prefix of
+    /// the WAL and checkpoints.
+    pub fn open(dir: Box<dyn StoreDir>) -> Result<Store> {
+        let sb_file = dir.open(SB_NAME, false).map_err(Error::store("open"))?;
+        let mut best: Option<Superblock> = None;
+        for slot in 0..2u64 {
+            let mut buf = vec![0u8; SB_SLOT];
+            if sb_file.read_at(&mut buf, slot * SB_SLOT as u64).is_err() {
+                continue;
+            }
+            if let Some(sb) = Superblock::decode(&buf)
+                && best.as_ref().is_none_or(|b| sb.generation > b.generation)
+            {
+                best = Some(sb);
+            }
+        }
+        let sb = best.ok_or_else(|| Error::Corrupt("no valid superblock slot".into()))?;
+        // Remove files of layers that are not in the chain (crash during
+        // snapshot create/delete/revert).
+        let keep: Vec<(String, String)> = sb.layers.iter().map(|l| layer_names(l.id)).collect();
+        for name in dir.list().map_err(Error::store("list"))? {
+            if name.starts_with("layer-") && !keep.iter().any(|(d, m)| *d == name || *m == name) {
+                dir.remove(&name).map_err(Error::store("remove"))?;
+            }
+        }
+        let mut layers = Vec::new();
+        for info in &sb.layers {
+            let mut layer = Self::open_layer(&*dir, info.clone(), false)?;
+            Self::load_meta(&mut layer, sb.size_blocks)?;
+            layers.push(layer);
+        }
+        let wal = dir.open(WAL_NAME, true).map_err(Error::store("open"))?;
+        let position = sb.position;
+        let mut s = Store {
+            dir,
+            sb_file,
+            sb,
+            wal,
+            wal_len: 0,
+            layers,
+            position,
+            dirty: BTreeSet::new(),
+            checkpoint_bytes: CHECKPOINT_BYTES,
+        };
+        s.replay_wal()?;
+        s.checkpoint()?;
+        Ok(s)
+    }
+
+    fn open_layer(dir: &dyn StoreDir, info: LayerInfo, create: bool) -> Result<Layer> {
+        let (d, m) = layer_names(info.id);
+        let data = dir.open(&d, create).map_err(Error::store("open layer"))?;
+        let meta = dir.open(&m, create).map_err(Error::store("open layer"))?;
+        Ok(Layer {
+            info,
+            data,
+            meta,
+            blocks: HashMap::new(),
+        })
+    }
+
+    fn load_meta(layer: &mut Layer, size_blocks: u64) -> Result<()> {
+        let len = layer.meta.len().map_err(Error::store("read meta"))?;
+        let n = (len / META_SIZE as u64).min(size_blocks);
+        const CHUNK: u64 = 4096;
+        let mut buf = vec![0u8; (CHUNK as usize) * META_SIZE];
+        let mut lba = 0;
+        while lba < n {
+            let cnt = (n - lba).min(CHUNK);
+            let bytes = &mut buf[..cnt as usize * META_SIZE];
+            if let Err(e) = layer.meta.read_at(bytes, lba * META_SIZE as u64) {
+                // Unreadable metadata: treat every entry in the chunk as damaged.
+                warn!(layer = layer.info.id, lba, error = %e, "metadata unreadable");
+                for i in 0..cnt {
+                    layer.blocks.insert(lba + i, Self::damaged());
+                }
+                lba += cnt;
+                continue;
+            }
+            for i in 0..cnt as usize {
+                let raw = &bytes[i * META_SIZE..(i + 1) * META_SIZE];
+                match BlockMeta::decode(raw) {
+                    Ok(None) => {}
+                    Ok(Some(meta)) => {
+                        layer.blocks.insert(
+                            lba + i as u64,
+                            Entry {
+                                meta,
+                                loc: Loc::Layer,
+                            },
+                        );
+                    }
+                    Err(()) => {
+                        layer.blocks.insert(lba + i as u64, Self::damaged());
+                    }
+                }
+            }
+            lba += cnt;
+        }
+        Ok(())
+    }
+
+    fn damaged() -> Entry {
+        Entry {
+            meta: BlockMeta {
+                tag: Tag::default(),
+                crc: 0,
+                flags: META_PRESENT,
+            },
+            loc: Loc::Damaged,
+        }
+    }
+
+    fn replay_wal(&mut self) -> Result<()> {
+        let len = self.wal.len().map_err(Error::store("read wal"))?;
+        let mut off = 0u64;
+        let mut hdr = [0u8; WAL_HDR];
+        let mut replayed = 0u64;
+        while off + WAL_HDR as u64 <= len {
+            if self.wal.read_at(&mut hdr, off).is_err() {
+                break;
+            }
+            let Some(h) = WalHeader::decode(&hdr) else {
+                break;
+            };
+            if h.wal_gen != self.sb.wal_gen {
+                break;
+            }
+            let mut data = vec![0u8; h.data_len()];
+            if self.wal.read_at(&mut data, off + WAL_HDR as u64).is_err() {
+                break;
+            }
+            if !WalHeader::check(&hdr, &data) {
+                break;
+            }
+            if h.kind.ordered() && h.tag.index != self.position.index + 1 {
+                break;
+            }
+            if self.apply_record(&h, &data, off).is_err() {
+                break;
+            }
+            off += (WAL_HDR + data.len()) as u64;
+            replayed += 1;
+        }
+        debug!(records = replayed, bytes = off, "wal replayed");
+        self.wal_len = off;
+        Ok(())
+    }
+
+    /// Updates the in-memory index for a record whose data is at `off + WAL_HDR`.
+    fn apply_record(&mut self, h: &WalHeader, data: &[u8], off: u64) -> Result<()> {
+        if h.lba.saturating_add(h.nblocks as u64) > self.sb.size_blocks {
+            return Err(Error::Corrupt("wal record past end of volume".into()));
+        }
+        let li = self
+            .layer_index(h.layer)
+            .ok_or_else(|| Error::Corrupt(format!("wal record for unknown layer {}", h.layer)))?;
+        for i in 0..h.nblocks as u64 {
+            let lba = h.lba + i;
+            let entry = match h.kind {
+                WalKind::Write | WalKind::SetData => {
+                    let chunk = &data[i as usize * BLOCK_SIZE..(i as usize + 1) * BLOCK_SIZE];
+                    Some(Entry {
+                        meta: BlockMeta {
+                            tag: h.tag,
+                            crc: block_crc(lba, chunk),
+                            flags: META_PRESENT,
+                        },
+                        loc: Loc::Wal(off + WAL_HDR as u64 + i * BLOCK_SIZE_U64),
+                    })
+                }
+                WalKind::Zero | WalKind::SetZero => Some(Entry {
+                    meta: BlockMeta {
+                        tag: h.tag,
+                        crc: 0,
+                        flags: META_PRESENT | META_ZERO,
+                    },
+                    loc: Loc::Layer,
+                }),
+                WalKind::SetAbsent => None,
+            };
+            let layer = &mut self.layers[li];
+            match entry {
+                Some(e) => {
+                    layer.blocks.insert(lba, e);
+                }
+                None => {
+                    layer.blocks.remove(&lba);
+                }
+            }
+            self.dirty.insert((h.layer, lba));
+        }
+        if h.kind.ordered() {
+            self.position = h.tag;
+        }
+        Ok(())
+    }
+
+    fn append(&mut self, h: WalHeader, data: &[u8]) -> Result<()> {
+        let hdr = h.encode(data);
+        let off = self.wal_len;
+        let mut rec = Vec::with_capacity(WAL_HDR + data.len());
+        rec.extend_from_slice(&hdr);
+        rec.extend_from_slice(data);
+        self.wal
+            .write_at(&rec, off)
+            .map_err(Error::store("append wal"))?;
+        self.wal_len += rec.len() as u64;
+        self.apply_record(&h, data, off)
+    }
+
+    fn layer_index(&self, id: u64) -> Option<usize> {
+        self.layers.iter().position(|l| l.info.id == id)
+    }
+
+    fn head_id(&self) -> u64 {
+        self.layers.last().map_or(0, |l| l.info.id)
+    }
+
+    fn check_range(&self, lba: u64, n: u64) -> Result<()> {
+        if n == 0 || lba.checked_add(n).is_none_or(|e| e > self.sb.size_blocks) {
+            return Err(Error::OutOfRange {
+                offset: lba.saturating_mul(BLOCK_SIZE_U64),
+                len: n.saturating_mul(BLOCK_SIZE_U64),
+                size: self.sb.size_blocks * BLOCK_SIZE_U64,
+            });
+        }
+        Ok(())
+    }
+
+    /// What the replica reports about itself.
+    pub fn info(&self) -> ReplicaInfo {
+        ReplicaInfo {
+            epoch: self.sb.epoch,
+            engine: self.sb.engine,
+            state: self.sb.state,
+            position: self.position,
+            size_blocks: self.sb.size_blocks,
+            layers: self.sb.layers.clone(),
+        }
+    }
+
+    /// Live position: tag of the last ordered operation applied.
+    pub fn position(&self) -> Tag {
+        self.position
+    }
+
+    /// Volume size in blocks.
+    pub fn size_blocks(&self) -> u64 {
+        self.sb.size_blocks
+    }
+
+    /// Persists a new epoch and its engine (synced before returning).
+    pub fn set_epoch(&mut self, epoch: u64, engine: u64) -> Result<()> {
+        self.sb.epoch = epoch;
+        self.sb.engine = engine;
+        self.write_sb()
+    }
+
+    /// Applies an ordered write (`data` = `None` writes zeros) at `tag`.
+    /// The caller checks that `tag` follows the position.
+    pub fn write(&mut self, tag: Tag, lba: u64, nblocks: u32, data: Option<&[u8]>) -> Result<()> {
+        self.check_range(lba, nblocks as u64)?;
+        let (kind, payload) = match data {
+            Some(d) => {
+                if d.len() != nblocks as usize * BLOCK_SIZE {
+                    return Err(Error::InvalidArgument("data length mismatch".into()));
+                }
+                (WalKind::Write, d)
+            }
+            None => (WalKind::Zero, &[][..]),
+        };
+        let h = WalHeader {
+            kind,
+            wal_gen: self.sb.wal_gen,
+            layer: self.head_id(),
+            tag,
+            lba,
+            nblocks,
+        };
+        self.append(h, payload)
+    }
+
+    /// Sets one block of a layer (rebuild copy or repair). Does not move the
+    /// position.
+    pub fn set_block(&mut self, layer: u64, lba: u64, what: SetBlock<'_>) -> Result<()> {
+        self.check_range(lba, 1)?;
+        if self.layer_index(layer).is_none() {
+            return Err(Error::InvalidArgument(format!("no layer {layer}")));
+        }
+        let (kind, tag, data) = match what {
+            SetBlock::Data(tag, d) => {
+                if d.len() != BLOCK_SIZE {
+                    return Err(Error::InvalidArgument("data length mismatch".into()));
+                }
+                (WalKind::SetData, tag, d)
+            }
+            SetBlock::Zero(tag) => (WalKind::SetZero, tag, &[][..]),
+            SetBlock::Absent => (WalKind::SetAbsent, Tag::default(), &[][..]),
+        };
+        let h = WalHeader {
+            kind,
+            wal_gen: self.sb.wal_gen,
+            layer,
+            tag,
+            lba,
+            nblocks: 1,
+        };
+        self.append(h, data)
+    }
+
+    /// The metadata entry of a block in a layer (without reading its data).
+    pub fn entry(&self, layer: u64, lba: u64) -> Option<(Tag, bool, bool)> {
+        let li = self.layer_index(layer)?;
+        self.layers[li]
+            .blocks
+            .get(&lba)
+            .map(|e| (e.meta.tag, e.meta.is_zero(), !matches!(e.loc, Loc::Damaged)))
+    }
+
+    fn read_entry(&self, li: usize, lba: u64, e: &Entry, out: &mut [u8]) -> bool {
+        if e.meta.is_zero() {
+            out.fill(0);
+            return !matches!(e.loc, Loc::Damaged);
+        }
+        let res = match e.loc {
+            Loc::Damaged => return false,
+            Loc::Layer => self.layers[li].data.read_at(out, lba * BLOCK_SIZE_U64),
+            Loc::Wal(off) => self.wal.read_at(out, off),
+        };
+        res.is_ok() && block_crc(lba, out) == e.meta.crc
+    }
+
+    /// Reads `nblocks` blocks at `lba` through the layer chain into `out`.
+    /// Returns the blocks that failed verification as `(lba, layer)`; their
+    /// bytes in `out` are zeroed. A corrupt copy is never returned as data.
+    pub fn read(&self, lba: u64, nblocks: u32, out: &mut [u8]) -> Result<Vec<(u64, u64)>> {
+        self.check_range(lba, nblocks as u64)?;
+        if out.len() != nblocks as usize * BLOCK_SIZE {
+            return Err(Error::InvalidArgument("buffer length mismatch".into()));
+        }
+        let mut bad = Vec::new();
+        for i in 0..nblocks as u64 {
+            let b = lba + i;
+            let buf = &mut out[i as usize * BLOCK_SIZE..(i as usize + 1) * BLOCK_SIZE];
+            let mut found = false;
+            for li in (0..self.layers.len()).rev() {
+                if let Some(e) = self.layers[li].blocks.get(&b) {
+                    if !self.read_entry(li, b, e, buf) {
+                        buf.fill(0);
+                        bad.push((b, self.layers[li].info.id));
+                    }
+                    found = true;
+                    break;
+                }
+            }
+            if !found {
+                buf.fill(0);
+            }
+        }
+        Ok(bad)
+    }
+
+    /// Reads one layer's copy of `nblocks` blocks (for rebuild, scrub and
+    /// repair): per block its tag state and, for valid data blocks, the data.
+    pub fn read_layer(
+        &self,
+        layer: u64,
+        lba: u64,
+        nblocks: u32,
+        with_data: bool,
+    ) -> Result<Vec<(BlockTag, Option<Vec<u8>>)>> {
+        self.check_range(lba, nblocks as u64)?;
+        let li = self
+            .layer_index(layer)
+            .ok_or_else(|| Error::InvalidArgument(format!("no layer {layer}")))?;
+        let mut out = Vec::with_capacity(nblocks as usize);
+        for i in 0..nblocks as u64 {
+            let b = lba + i;
+            match self.layers[li].blocks.get(&b) {
+                None => out.push((BlockTag::Absent, None)),
+                Some(e) => {
+                    let mut buf = vec![0u8; BLOCK_SIZE];
+                    let valid = self.read_entry(li, b, e, &mut buf);
+                    let zero = e.meta.is_zero();
+                    let tag = BlockTag::Present {
+                        tag: e.meta.tag,
+                        zero,
+                        valid,
+                    };
+                    let data = (with_data && valid && !zero).then_some(buf);
+                    out.push((tag, data));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Makes every applied write durable (syncs the WAL); checkpoints when
+    /// the WAL has grown large.
+    pub fn flush(&mut self) -> Result<()> {
+        self.wal.sync().map_err(Error::store("sync wal"))?;
+        if self.wal_len > self.checkpoint_bytes {
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    /// Sets the WAL size that triggers a checkpoint on flush (tests use small
+    /// values to exercise checkpoints).
+    pub fn set_checkpoint_bytes(&mut self, bytes: u64) {
+        self.checkpoint_bytes = bytes;
+    }
+
+    /// Copies WAL-resident blocks into the layer files, syncs them, and starts
+    /// a new WAL generation.
+    pub fn checkpoint(&mut self) -> Result<()> {
+        self.wal.sync().map_err(Error::store("sync wal"))?;
+        let dirty = std::mem::take(&mut self.dirty);
+        let mut touched = BTreeSet::new();
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        for &(layer, lba) in &dirty {
+            let Some(li) = self.layer_index(layer) else {
+                continue;
+            };
+            touched.insert(li);
+            let entry = self.layers[li].blocks.get(&lba).copied();
+            let meta_bytes = match entry {
+                None => {
+                    self.layers[li]
+                        .data
+                        .punch_hole(lba * BLOCK_SIZE_U64, BLOCK_SIZE_U64)
+                        .map_err(Error::store("checkpoint"))?;
+                    [0u8; META_SIZE]
+                }
+                Some(e) => {
+                    if e.meta.is_zero() {
+                        self.layers[li]
+                            .data
+                            .punch_hole(lba * BLOCK_SIZE_U64, BLOCK_SIZE_U64)
+                            .map_err(Error::store("checkpoint"))?;
+                    } else if let Loc::Wal(off) = e.loc {
+                        self.wal
+                            .read_at(&mut buf, off)
+                            .map_err(Error::store("checkpoint"))?;
+                        self.layers[li]
+                            .data
+                            .write_at(&buf, lba * BLOCK_SIZE_U64)
+                            .map_err(Error::store("checkpoint"))?;
+                    }
+                    e.meta.encode()
+                }
+            };
+            self.layers[li]
+                .meta
+                .write_at(&meta_bytes, lba * META_SIZE as u64)
+                .map_err(Error::store("checkpoint"))?;
+            if let Some(e) = self.layers[li].blocks.get_mut(&lba)
+                && matches!(e.loc, Loc::Wal(_))
+            {
+                e.loc = Loc::Layer;
+            }
+        }
+        for li in touched {
+            self.layers[li]
+                .data
+                .sync()
+                .map_err(Error::store("checkpoint"))?;
+            self.layers[li]
+                .meta
+                .sync()
+                .map_err(Error::store("checkpoint"))?;
+        }
+        self.sb.position = self.position;
+        self.sb.wal_gen += 1;
+        self.write_sb()?;
+        self.wal.set_len(0).map_err(Error::store("truncate wal"))?;
+        self.wal_len = 0;
+        Ok(())
+    }
+
+    fn write_sb(&mut self) -> Result<()> {
+        self.sb.generation += 1;
+        let buf = self
+            .sb
+            .encode()
+            .ok_or_else(|| Error::InvalidArgument("superblock does not fit".into()))?;
+        let slot = self.sb.generation % 2;
+        self.sb_file
+            .write_at(&buf, slot * SB_SLOT as u64)
+            .map_err(Error::store("write superblock"))?;
+        self.sb_file
+            .sync()
+            .map_err(Error::store("write superblock"))?;
+        Ok(())
+    }
+
+    /// Starts a rebuild: makes the layer chain match `layers` (keeping local
+    /// layers with the same ids, whose blocks the rebuild then compares),
+    /// sets the size and position, and persists the `Rebuilding` state.
+    pub fn begin_rebuild(
+        &mut self,
+        layers: &[LayerInfo],
+        size_blocks: u64,
+        start: Tag,
+    ) -> Result<()> {
+        if layers.is_empty() || layers.len() > MAX_LAYERS {
+            return Err(Error::InvalidArgument("bad layer list".into()));
+        }
+        self.checkpoint()?;
+        let mut old: Vec<Layer> = std::mem::take(&mut self.layers);
+        let mut new = Vec::new();
+        for info in layers {
+            if info.name.len() > MAX_NAME_LEN {
+                return Err(Error::InvalidArgument("snapshot name too long".into()));
+            }
+            if let Some(pos) = old.iter().position(|l| l.info.id == info.id) {
+                let mut l = old.remove(pos);
+                l.info = info.clone();
+                new.push(l);
+            } else {
+                new.push(Self::open_layer(&*self.dir, info.clone(), true)?);
+            }
+        }
+        self.dir.sync_dir().map_err(Error::store("begin rebuild"))?;
+        self.layers = new;
+        self.sb.layers = layers.to_vec();
+        self.sb.state = ReplicaState::Rebuilding;
+        if size_blocks > self.sb.size_blocks {
+            self.grow(size_blocks)?;
+        }
+        self.sb.size_blocks = size_blocks;
+        self.layers
+            .iter_mut()
+            .for_each(|l| l.blocks.retain(|&b, _| b < size_blocks));
+        self.position = start;
+        self.sb.position = start;
+        self.write_sb()?;
+        for l in old {
+            let (d, m) = layer_names(l.info.id);
+            drop(l);
+            self.dir.remove(&d).map_err(Error::store("remove layer"))?;
+            self.dir.remove(&m).map_err(Error::store("remove layer"))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the completion marker: syncs everything, then persists `Clean`
+    /// at the given position (the engine checks it equals the live position).
+    pub fn mark_clean(&mut self) -> Result<()> {
+        self.checkpoint()?;
+        self.sb.state = ReplicaState::Clean;
+        self.write_sb()
+    }
+
+    /// Persists the `Rebuilding` state without other changes.
+    pub fn mark_rebuilding(&mut self) -> Result<()> {
+        self.sb.state = ReplicaState::Rebuilding;
+        self.write_sb()
+    }
+
+    fn grow(&mut self, size_blocks: u64) -> Result<()> {
+        for l in &mut self.layers {
+            l.data
+                .set_len(size_blocks * BLOCK_SIZE_U64)
+                .map_err(Error::store("resize"))?;
+        }
+        Ok(())
+    }
+
+    /// Ordered: freezes the head as snapshot `name` and starts a new empty
+    /// head `new_head`.
+    pub fn snapshot(&mut self, tag: Tag, name: &str, new_head: u64) -> Result<()> {
+        if name.is_empty() || name.len() > MAX_NAME_LEN {
+            return Err(Error::InvalidArgument(format!(
+                "bad snapshot name {name:?}"
+            )));
+        }
+        if self.layers.len() >= MAX_LAYERS {
+            return Err(Error::InvalidArgument("too many snapshots".into()));
+        }
+        if self.layer_index(new_head).is_some() || self.sb.layers.iter().any(|l| l.name == name) {
+            return Err(Error::InvalidArgument(format!("snapshot {name:?} exists")));
+        }
+        self.checkpoint()?;
+        let info = LayerInfo {
+            id: new_head,
+            name: String::new(),
+            created: tag,
+        };
+        let layer = Self::open_layer(&*self.dir, info.clone(), true)?;
+        self.dir.sync_dir().map_err(Error::store("snapshot"))?;
+        if let Some(h) = self.layers.last_mut() {
+            h.info.name = name.to_string();
+            h.info.created = tag;
+        }
+        self.layers.push(layer);
+        self.sb.layers = self.layers.iter().map(|l| l.info.clone()).collect();
+        self.position = tag;
+        self.sb.position = tag;
+        self.write_sb()
+    }
+
+    /// Ordered: deletes snapshot layer `layer`, merging the blocks it holds
+    /// that its child does not into the child first.
+    pub fn delete_snapshot(&mut self, tag: Tag, layer: u64) -> Result<()> {
+        let li = self
+            .layer_index(layer)
+            .ok_or_else(|| Error::InvalidArgument(format!("no layer {layer}")))?;
+        if li + 1 == self.layers.len() {
+            return Err(Error::InvalidArgument("cannot delete the head".into()));
+        }
+        self.checkpoint()?;
+        let mut moved: Vec<u64> = self.layers[li]
+            .blocks
+            .keys()
+            .copied()
+            .filter(|b| !self.layers[li + 1].blocks.contains_key(b))
+            .collect();
+        moved.sort_unstable();
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        for b in moved {
+            let Some(e) = self.layers[li].blocks.get(&b).copied() else {
+                continue;
+            };
+            let mut e2 = e;
+            if !e.meta.is_zero() {
+                let ok = self.read_entry(li, b, &e, &mut buf);
+                if !ok {
+                    // Keep the damage visible in the child instead of copying garbage.
+                    e2.loc = Loc::Damaged;
+                } else {
+                    self.layers[li + 1]
+                        .data
+                        .write_at(&buf, b * BLOCK_SIZE_U64)
+                        .map_err(Error::store("merge snapshot"))?;
+                    e2.loc = Loc::Layer;
+                }
+            }
+            let mb = if matches!(e2.loc, Loc::Damaged) {
+                [0xffu8; META_SIZE]
+            } else {
+                e2.meta.encode()
+            };
+            self.layers[li + 1]
+                .meta
+                .write_at(&mb, b * META_SIZE as u64)
+                .map_err(Error::store("merge snapshot"))?;
+            self.layers[li + 1].blocks.insert(b, e2);
+        }
+        self.layers[li + 1]
+            .data
+            .sync()
+            .map_err(Error::store("merge snapshot"))?;
+        self.layers[li + 1]
+            .meta
+            .sync()
+            .map_err(Error::store("merge snapshot"))?;
+        let removed = self.layers.remove(li);
+        self.sb.layers = self.layers.iter().map(|l| l.info.clone()).collect();
+        self.position = tag;
+        self.sb.position = tag;
+        self.write_sb()?;
+        let (d, m) = layer_names(removed.info.id);
+        drop(removed);
+        self.dir.remove(&d).map_err(Error::store("remove layer"))?;
+        self.dir.remove(&m).map_err(Error::store("remove layer"))?;
+        Ok(())
+    }
+
+    /// Ordered: reverts to snapshot `layer`: drops every layer above it and
+    /// starts a new empty head `new_head` on top of it.
+    pub fn revert(&mut self, tag: Tag, layer: u64, new_head: u64) -> Result<()> {
+        let li = self
+            .layer_index(layer)
+            .ok_or_else(|| Error::InvalidArgument(format!("no layer {layer}")))?;
+        if li + 1 == self.layers.len() {
+            return Err(Error::InvalidArgument("cannot revert to the head".into()));
+        }
+        if self.layer_index(new_head).is_some() {
+            return Err(Error::InvalidArgument("new head id in use".into()));
+        }
+        self.checkpoint()?;
+        let info = LayerInfo {
+            id: new_head,
+            name: String::new(),
+            created: tag,
+        };
+        let head = Self::open_layer(&*self.dir, info, true)?;
+        self.dir.sync_dir().map_err(Error::store("revert"))?;
+        let dropped: Vec<Layer> = self.layers.drain(li + 1..).collect();
+        self.layers.push(head);
+        self.sb.layers = self.layers.iter().map(|l| l.info.clone()).collect();
+        self.position = tag;
+        self.sb.position = tag;
+        self.write_sb()?;
+        for l in dropped {
+            let (d, m) = layer_names(l.info.id);
+            drop(l);
+            self.dir.remove(&d).map_err(Error::store("remove layer"))?;
+            self.dir.remove(&m).map_err(Error::store("remove layer"))?;
+        }
+        Ok(())
+    }
+
+    /// Ordered: grows the volume to `size_blocks` (shrinking is refused).
+    pub fn resize(&mut self, tag: Tag, size_blocks: u64) -> Result<()> {
+        if size_blocks < self.sb.size_blocks {
+            return Err(Error::InvalidArgument(format!(
+                "cannot shrink from {} to {} blocks",
+                self.sb.size_blocks, size_blocks
+            )));
+        }
+        self.checkpoint()?;
+        self.grow(size_blocks)?;
+        self.sb.size_blocks = size_blocks;
+        self.position = tag;
+        self.sb.position = tag;
+        self.write_sb()
+    }
+
+    /// Ordered no-op that only advances the position (used for operations
+    /// that change nothing on this replica).
+    pub fn advance(&mut self, tag: Tag) -> Result<()> {
+        self.checkpoint()?;
+        self.position = tag;
+        self.sb.position = tag;
+        self.write_sb()
+    }
+
+    /// Ids of the layers, bottom first.
+    pub fn layer_ids(&self) -> Vec<u64> {
+        self.layers.iter().map(|l| l.info.id).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;

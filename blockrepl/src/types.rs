@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: Apache-2.0
+//! Small types shared by the store, the protocol and the simulator.
+
+use std::fmt;
+
+/// Size of a block: the unit of checksums, write indexes and replication.
+pub const BLOCK_SIZE: usize = 4096;
+/// [`BLOCK_SIZE`] as a `u64`.
+pub const BLOCK_SIZE_U64: u64 = BLOCK_SIZE as u64;
+
+/// Identifies one write (or structural operation) in a volume's history:
+/// the epoch of the engine that issued it and its write index.
+///
+/// Tags order lexicographically: every write of a later epoch is newer than
+/// every write of an earlier one. Write indexes continue across epochs (a new
+/// engine starts after the position of the replica it chose as source), so a
+/// replica's *position* — the tag of the last operation it applied in order —
+/// says exactly which prefix of the history it holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Tag {
+    /// Epoch of the engine that issued the operation.
+    pub epoch: u64,
+    /// Write index, contiguous over the whole volume history.
+    pub index: u64,
+}
+
+impl Tag {
+    /// Builds a tag.
+    pub const fn new(epoch: u64, index: u64) -> Tag {
+        Tag { epoch, index }
+    }
+}
+
+impl fmt::Display for Tag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.epoch, self.index)
+    }
+}
+
+/// The persisted mode of a replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplicaState {
+    /// Holds a complete, consistent copy up to its position.
+    Clean,
+    /// Being rebuilt: serves no reads, counts for no quorum, never a source.
+    /// Only the completion marker (a superblock written last) turns it Clean.
+    Rebuilding,
+}
+
+impl ReplicaState {
+    pub(crate) fn to_u8(self) -> u8 {
+        match self {
+            ReplicaState::Clean => 1,
+            ReplicaState::Rebuilding => 2,
+        }
+    }
+
+    pub(crate) fn from_u8(v: u8) -> Option<ReplicaState> {
+        match v {
+            1 => Some(ReplicaState::Clean),
+            2 => Some(ReplicaState::Rebuilding),
+            _ => None,
+        }
+    }
+}
+
+/// One layer of a replica's copy-on-write chain: a snapshot, or the head.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerInfo {
+    /// Layer id, identical on every replica of the volume.
+    pub id: u64,
+    /// Snapshot name (empty for the head).
+    pub name: String,
+    /// Position at which the layer was frozen (snapshot) or created (head).
+    pub created: Tag,
+}
+
+/// Maximum length of a snapshot name in bytes.
+pub const MAX_NAME_LEN: usize = 64;
+/// Maximum number of layers (snapshots + head) per volume.
+pub const MAX_LAYERS: usize = 32;
+
+/// What a replica reports about itself when probed or attached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaInfo {
+    /// Highest epoch this replica has accepted.
+    pub epoch: u64,
+    /// Engine that holds that epoch.
+    pub engine: u64,
+    /// Clean or rebuilding.
+    pub state: ReplicaState,
+    /// Tag of the last operation applied in order.
+    pub position: Tag,
+    /// Volume size in blocks.
+    pub size_blocks: u64,
+    /// Layer chain, bottom first, head last.
+    pub layers: Vec<LayerInfo>,
+}
+
+/// The state of one block in one layer, as reported for rebuild and scrub.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockTag {
+    /// The layer holds no copy of this block.
+    Absent,
+    /// The layer holds this block, written by `tag`; `zero` if it reads as zeros;
+    /// `valid` is false when its checksum failed or its sector is unreadable.
+    Present {
+        /// Write that produced it.
+        tag: Tag,
+        /// Zero block (trim / write-zeroes).
+        zero: bool,
+        /// Checksum verified.
+        valid: bool,
+    },
+}
+
+/// Checksum of a block: CRC32C over its address and its data, so a block
+/// written to or read from the wrong place does not verify.
+pub fn block_crc(lba: u64, data: &[u8]) -> u32 {
+    let c = crc32c::crc32c(&lba.to_le_bytes());
+    crc32c::crc32c_append(c, data)
+}

@@ -223,6 +223,7 @@ fn c1m() -> Stats {
             .max_vms(250)
     }))
     .unwrap();
+    snap.reserve_vms(1_000_000);
     let mut sched = Scheduler::new();
     let vm = |i: usize| Request::new(format!("vm-{i}"), 250, GIB);
     measure("c1m", &mut sched, &mut snap, (0..1_000_000).map(vm), true)

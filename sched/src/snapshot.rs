@@ -224,6 +224,13 @@ impl ClusterSnapshot {
         Ok(s)
     }
 
+    /// Reserves room for `additional` more bound VMs, so a large fill does
+    /// not pause to grow its tables.
+    pub fn reserve_vms(&mut self, additional: usize) {
+        self.vms.reserve(additional);
+        self.vm_by_name.reserve(additional);
+    }
+
     /// Number of live nodes.
     pub fn node_count(&self) -> usize {
         self.live_nodes as usize

@@ -80,7 +80,10 @@ pub fn cache_dir() -> PathBuf {
 pub fn skip_slow(test: &str) -> bool {
     let quick = std::env::var(QUICK_ENV).is_ok_and(|v| v == "1");
     if quick {
-        eprintln!("skipping {test}: {QUICK_ENV}=1 (slow QEMU test; scripts/test and CI run it)");
+        eprintln!(
+            "skipping {test}: {QUICK_ENV}=1 (slow test: QEMU guest or static build; \
+             scripts/test and CI run it)"
+        );
     }
     quick
 }

@@ -206,6 +206,7 @@ pub struct NestedBox {
     timeout: std::time::Duration,
     output_capacity_mib: Option<u64>,
     require_kvm: bool,
+    host_qemu: bool,
     kernel: Option<HostKernel>,
     cache: Option<PathBuf>,
 }
@@ -270,6 +271,7 @@ impl NestedBox {
             timeout: Duration::from_secs(300),
             output_capacity_mib: None,
             require_kvm: true,
+            host_qemu: false,
             kernel: None,
             cache: None,
         }
@@ -323,6 +325,15 @@ impl NestedBox {
     /// Whether a missing `/dev/kvm` in L1 fails the run (default true).
     pub fn require_kvm(mut self, require: bool) -> Self {
         self.require_kvm = require;
+        self
+    }
+
+    /// Also puts the host's QEMU in the box as `qemu/qemu-system-x86_64` (a
+    /// wrapper that runs the dynamically linked binary with its own copies of
+    /// the loader, libraries and firmware), so a program or script can boot a
+    /// reference guest with `-accel kvm` next to ours. Adds about 60 MB.
+    pub fn host_qemu(mut self) -> Self {
+        self.host_qemu = true;
         self
     }
 
@@ -401,7 +412,11 @@ impl NestedBox {
             .tempdir()
             .map_err(io_err("create temp dir in", std::env::temp_dir()))?;
         let in_tar = work.path().join("in.tar");
-        let input_bytes = self.write_inputs(&in_tar, program, &prog_name, &args)?;
+        let mut inputs = self.clone();
+        if self.host_qemu {
+            inputs.files.extend(host_qemu_files()?);
+        }
+        let input_bytes = inputs.write_inputs(&in_tar, program, &prog_name, &args)?;
         let out_img = work.path().join("out.img");
         let capacity = self
             .output_capacity_mib
@@ -636,6 +651,81 @@ impl NestedBox {
         let len = f.metadata().map_err(io_err("stat", in_tar))?.len();
         Ok(len)
     }
+}
+
+/// Firmware the `pc` machine may load (from the host's QEMU data dirs).
+const QEMU_FIRMWARE: &[&str] = &[
+    "bios-256k.bin",
+    "bios.bin",
+    "linuxboot_dma.bin",
+    "linuxboot.bin",
+    "kvmvapic.bin",
+    "pvh.bin",
+    "multiboot_dma.bin",
+];
+
+/// The host's QEMU, its shared libraries (per `ldd`) and firmware, laid out
+/// under `qemu/` with a wrapper script that starts it through its own loader.
+fn host_qemu_files() -> Result<Vec<(String, Source)>> {
+    let qemu = crate::qemu::qemu_binary()?;
+    let ldd = std::process::Command::new("ldd")
+        .arg(&qemu)
+        .output()
+        .map_err(|source| TestkitError::Spawn {
+            program: "ldd".into(),
+            source,
+        })?;
+    let mut files = vec![(
+        "qemu/bin/qemu-system-x86_64".to_string(),
+        Source::Path(qemu.clone()),
+    )];
+    let mut loader = None;
+    for line in String::from_utf8_lossy(&ldd.stdout).lines() {
+        let line = line.trim();
+        // "libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x…)" or
+        // "/lib64/ld-linux-x86-64.so.2 (0x…)"
+        let (name, path) = match line.split_once(" => ") {
+            Some((name, rest)) => (name.to_string(), rest.split_whitespace().next()),
+            None => {
+                let path = line.split_whitespace().next();
+                let name = path
+                    .and_then(|p| Path::new(p).file_name())
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                (name, path)
+            }
+        };
+        let Some(path) = path.filter(|p| p.starts_with('/')) else {
+            continue;
+        };
+        if name.starts_with("ld-linux") {
+            loader = Some(name.clone());
+        }
+        files.push((format!("qemu/lib/{name}"), Source::Path(path.into())));
+    }
+    let loader = loader.ok_or_else(|| TestkitError::ToolMissing {
+        tool: format!("dynamic loader of {}", qemu.display()),
+        why: "running the host's QEMU in the nested box",
+    })?;
+    for fw in QEMU_FIRMWARE {
+        if let Some(p) = ["/usr/share/qemu", "/usr/share/seabios"]
+            .iter()
+            .map(|d| Path::new(d).join(fw))
+            .find(|p| p.is_file())
+        {
+            files.push((format!("qemu/share/{fw}"), Source::Path(p)));
+        }
+    }
+    let wrapper = format!(
+        "#!/bin/sh\n# The host's QEMU, with its own loader, libraries and firmware.\n\
+         d=$(dirname \"$0\")\n\
+         exec \"$d/lib/{loader}\" --library-path \"$d/lib\" \"$d/bin/qemu-system-x86_64\" -L \"$d/share\" \"$@\"\n"
+    );
+    files.push((
+        "qemu/qemu-system-x86_64".into(),
+        Source::Bytes(wrapper.into_bytes(), 0o755),
+    ));
+    Ok(files)
 }
 
 /// `key=value` in a marker line.

@@ -110,3 +110,61 @@ fn files_travel_in_and_out_of_the_box() {
     assert!(out.file("not-there").is_none());
     eprintln!("box total {:?}", out.timings.total);
 }
+
+/// The reference path: the host's QEMU with `-accel kvm` boots the stock
+/// guest image as L2 inside the box, and the L2 guest's disk write comes back.
+#[test]
+fn host_qemu_boots_the_guest_image_with_kvm_in_the_box() {
+    if sheaf_testkit::skip_slow("host_qemu_boots_the_guest_image_with_kvm_in_the_box") {
+        return;
+    }
+    let image = sheaf_testkit::guest::GuestImage::build().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk.img");
+    let marker = format!("l2-{}", std::process::id());
+    sheaf_testkit::guest::create_disk(&disk, 8 << 20, &marker).unwrap();
+    let script = format!(
+        "start=$(cut -d' ' -f1 /proc/uptime)\n\
+         ./qemu/qemu-system-x86_64 -accel kvm -cpu host -M pc -m 256 -nodefaults \
+         -no-user-config -display none -serial stdio -no-reboot -nic none \
+         -kernel bzImage -initrd initramfs.cpio.gz -append '{}' \
+         -drive file=disk.img,format=raw,if=none,id=d0 -device virtio-blk-pci,drive=d0 || exit $?\n\
+         echo \"L2 run: $start -> $(cut -d' ' -f1 /proc/uptime)\"\n",
+        sheaf_testkit::guest::DEFAULT_CMDLINE
+    );
+    let out = NestedBox::new()
+        .host_qemu()
+        .file("bzImage", &image.kernel)
+        .file("initramfs.cpio.gz", &image.initramfs)
+        .file("disk.img", &disk)
+        .file_bytes("l2.sh", script, 0o755)
+        .collect("disk.img")
+        .timeout(Duration::from_secs(300))
+        .run("/bin/busybox", ["sh", "l2.sh"])
+        .unwrap();
+    assert_eq!(out.exit_status, 0, "{}", out.output);
+    let report = sheaf_testkit::guest::parse_console(&out.output);
+    assert_eq!(
+        report.marker.as_deref(),
+        Some(marker.as_str()),
+        "{}",
+        out.output
+    );
+    assert!(report.ok, "{}", out.output);
+    let back = dir.path().join("back.img");
+    std::fs::write(&back, out.read_file("disk.img").unwrap()).unwrap();
+    assert_eq!(
+        sheaf_testkit::guest::read_reply(&back).unwrap().as_deref(),
+        Some(marker.as_str())
+    );
+    let l2 = out
+        .output
+        .lines()
+        .find(|l| l.starts_with("L2 run:"))
+        .unwrap_or("");
+    eprintln!(
+        "QEMU -accel kvm in the box: {l2} (L1 uptime, s); program started {:?} after QEMU, ran {:?}",
+        out.timings.program_start,
+        out.timings.program_runtime()
+    );
+}

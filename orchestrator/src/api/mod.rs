@@ -38,7 +38,7 @@ use tokio::sync::watch as tokio_watch;
 use tokio::task::JoinSet;
 
 pub use auth::{Role, role_of};
-pub use handlers::SYSTEM_NAMESPACES;
+pub use handlers::{SYSTEM_NAMESPACES, decode_request, patch_and_validate};
 pub use status::ApiError;
 pub use tls::{TlsMaterial, TlsSetupError, Tokens};
 

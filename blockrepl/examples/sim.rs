@@ -42,6 +42,13 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .without_time()
+            .init();
+    }
     let mut bugs = Bugs::default();
     match args.bug.as_deref() {
         None => {}

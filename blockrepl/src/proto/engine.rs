@@ -445,6 +445,9 @@ pub struct Engine {
     rr: usize,
     pumping: bool,
     repump: bool,
+    /// Set once attached: a later re-attach must not take the volume from
+    /// a newer engine, so seeing a higher epoch then means fenced.
+    attached_once: bool,
     status: EngineStatus,
 }
 
@@ -488,6 +491,7 @@ impl Engine {
             rr: 0,
             pumping: false,
             repump: false,
+            attached_once: false,
             status: EngineStatus {
                 phase: Phase::Probing,
                 epoch: 0,
@@ -1184,6 +1188,8 @@ impl Engine {
         for op in ops {
             self.complete(op, Err(Error::QuorumLost { have, need }));
         }
+        // Re-attach above our own epoch only; a higher epoch seen while
+        // probing fences us (see `attached_once`).
         self.cfg.min_epoch = self.cfg.min_epoch.max(self.epoch);
         self.restart_attach();
     }
@@ -1354,15 +1360,7 @@ impl Engine {
         if let Response::Refused(r) = &resp {
             match r {
                 Refusal::StaleEpoch { current } if *current > self.epoch => {
-                    if matches!(self.phase, Phase::Probing | Phase::Attaching) {
-                        // Someone holds a higher epoch: start over above it.
-                        self.cfg.min_epoch = self.cfg.min_epoch.max(*current);
-                        self.peer_failed(from, "attach refused");
-                        if self.phase == Phase::Attaching {
-                            self.restart_attach();
-                        }
-                        return;
-                    }
+                    // A newer engine attached: never take the volume back.
                     return self.fence(*current);
                 }
                 Refusal::Invalid(msg) if matches!(p.ctx, Ctx::Op { .. }) => {
@@ -1395,6 +1393,10 @@ impl Engine {
                     return self.peer_failed(from, "bad probe answer");
                 };
                 self.peers[from].info = Some(info.clone());
+                if self.attached_once && info.epoch > self.epoch {
+                    // Someone attached after us: we are a stale engine.
+                    return self.fence(info.epoch);
+                }
                 match self.phase {
                     Phase::Probing => {
                         self.peers[from].link = Link::Attaching; // parked until epoch chosen
@@ -1420,9 +1422,8 @@ impl Engine {
                         if info.epoch > self.epoch && self.phase == Phase::Running {
                             return self.fence(info.epoch);
                         }
-                        if self.phase == Phase::Attaching && info.epoch >= self.epoch {
-                            self.cfg.min_epoch = self.cfg.min_epoch.max(info.epoch);
-                            return self.restart_attach();
+                        if info.epoch > self.epoch {
+                            return self.fence(info.epoch);
                         }
                         self.attach(from);
                     }
@@ -1620,6 +1621,7 @@ impl Engine {
             }
         }
         self.phase = Phase::Running;
+        self.attached_once = true;
         info!(
             epoch = self.epoch,
             position = %self.position,
@@ -1650,11 +1652,29 @@ impl Engine {
             if self.peers[r].link != Link::Attached || self.peers[r].role != Role::Idle {
                 continue;
             }
+            // Keep at least R replicas marked Clean on disk, so a later
+            // engine can always attach: a rebuild clears the target's mark.
+            let clean = |p: &Peer| {
+                p.link == Link::Attached
+                    && p.info
+                        .as_ref()
+                        .is_some_and(|i| i.state == ReplicaState::Clean)
+            };
+            let known_clean = self.peers.iter().filter(|p| clean(p)).count();
+            let after = known_clean - usize::from(clean(&self.peers[r]));
+            if after < self.r_quorum() {
+                continue;
+            }
             // Prefer a source that is not itself busy as a source.
-            let source = actives[r % actives.len()];
+            // Rotate sources across attempts, so a source with a bad copy
+            // (being repaired) is not retried forever.
             let session = self.next_session;
+            let source = actives[(r + session as usize) % actives.len()];
             self.next_session += 1;
             self.peers[r].role = Role::Rebuilding;
+            if let Some(i) = self.peers[r].info.as_mut() {
+                i.state = ReplicaState::Rebuilding;
+            }
             let start = self.position;
             info!(target = r, source, session, start = %start, "rebuild starting");
             self.rebuilds.push(RebuildState {
@@ -1929,6 +1949,7 @@ impl Engine {
         let rb = self.rebuilds.remove(i);
         let r = rb.target;
         self.peers[r].role = Role::Active;
+        self.peers[r].info = Some(info.clone());
         self.peers[r].acked = self.peers[r].acked.max(info.position);
         self.status.rebuilds_done += 1;
         info!(target = r, position = %info.position, "rebuild complete; replica active");

@@ -516,7 +516,7 @@ impl Sim {
             Ev::Fault => {
                 if !self.healing {
                     self.inject_fault();
-                    let t = self.now + self.rng.range(3_000, 25_000);
+                    let t = self.now + self.rng.range(8_000, 60_000);
                     self.at(t, Ev::Fault);
                 }
             }

@@ -459,13 +459,14 @@ impl Store {
         self.append(h, data)
     }
 
-    /// The metadata entry of a block in a layer (without reading its data).
+    /// A block's entry in a layer: `(tag, zero, valid)`; `valid` means its
+    /// data was read back and its checksum verified.
     pub fn entry(&self, layer: u64, lba: u64) -> Option<(Tag, bool, bool)> {
         let li = self.layer_index(layer)?;
-        self.layers[li]
-            .blocks
-            .get(&lba)
-            .map(|e| (e.meta.tag, e.meta.is_zero(), !matches!(e.loc, Loc::Damaged)))
+        let e = self.layers[li].blocks.get(&lba)?;
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        let valid = self.read_entry(li, lba, e, &mut buf);
+        Some((e.meta.tag, e.meta.is_zero(), valid))
     }
 
     fn read_entry(&self, li: usize, lba: u64, e: &Entry, out: &mut [u8]) -> bool {

@@ -71,22 +71,27 @@ pub enum Reason {
     TopologySpreadSkew,
     /// Strict data locality and no healthy replica on the node.
     NoLocalReplica,
-    /// A plugin-defined reason.
-    Plugin {
-        /// The message.
-        message: Arc<str>,
-        /// Whether evicting lower-priority VMs could fix it.
-        resolvable: bool,
-    },
+    /// A plugin-defined reason (boxed so `Reason` stays two words and
+    /// filter results return in registers).
+    Plugin(Arc<CustomReason>),
+}
+
+/// A plugin-defined filter failure.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CustomReason {
+    /// The message, e.g. `node(s) had an odd name`.
+    pub message: String,
+    /// Whether evicting lower-priority VMs could fix it.
+    pub resolvable: bool,
 }
 
 impl Reason {
     /// A plugin-defined reason.
-    pub fn custom(message: impl Into<Arc<str>>, resolvable: bool) -> Self {
-        Reason::Plugin {
+    pub fn custom(message: impl Into<String>, resolvable: bool) -> Self {
+        Reason::Plugin(Arc::new(CustomReason {
             message: message.into(),
             resolvable,
-        }
+        }))
     }
 
     /// Whether preemption (removing lower-priority VMs) might fix it.
@@ -96,7 +101,7 @@ impl Reason {
             | Reason::VmAntiAffinity
             | Reason::ExistingAntiAffinity
             | Reason::TopologySpreadSkew => true,
-            Reason::Plugin { resolvable, .. } => *resolvable,
+            Reason::Plugin(c) => c.resolvable,
             _ => false,
         }
     }
@@ -138,7 +143,7 @@ impl Reason {
                 out(s("node(s) didn't match VM topology spread constraints"))
             }
             Reason::NoLocalReplica => out(s("node(s) had no healthy replica of the VM's volume")),
-            Reason::Plugin { message, .. } => out(message.to_string()),
+            Reason::Plugin(c) => out(c.message.clone()),
         }
     }
 }
@@ -160,27 +165,25 @@ impl Ctx<'_> {
     }
 }
 
-/// Data a plugin keeps in the [`CycleState`]. Implemented for every
-/// `Clone + Send + Sync + 'static` type; cloning is needed because preemption
-/// evaluates candidates on copies of the state.
-pub trait StateData: Any + Send + Sync {
-    /// A boxed copy.
-    fn clone_data(&self) -> Box<dyn StateData>;
-    /// Upcast for downcasting.
-    fn as_any(&self) -> &dyn Any;
-    /// Upcast for downcasting.
-    fn as_any_mut(&mut self) -> &mut dyn Any;
+/// Data a plugin keeps in the [`CycleState`]: any `Clone + Send + Sync +
+/// 'static` type. Cloning is needed because preemption evaluates candidates
+/// on copies of the state.
+pub trait StateData: Any + Clone + Send + Sync {}
+
+impl<T: Any + Clone + Send + Sync> StateData for T {}
+
+type AnyData = dyn Any + Send + Sync;
+
+struct Entry {
+    id: TypeId,
+    value: Box<AnyData>,
+    clone: fn(&AnyData) -> Box<AnyData>,
 }
 
-impl<T: Any + Clone + Send + Sync> StateData for T {
-    fn clone_data(&self) -> Box<dyn StateData> {
-        Box::new(self.clone())
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
+fn clone_as<T: StateData>(v: &AnyData) -> Box<AnyData> {
+    match v.downcast_ref::<T>() {
+        Some(t) => Box::new(t.clone()),
+        None => unreachable!("entry type matches its TypeId"),
     }
 }
 
@@ -188,17 +191,21 @@ impl<T: Any + Clone + Send + Sync> StateData for T {
 /// (each plugin uses its own private type as the key).
 #[derive(Default)]
 pub struct CycleState {
-    entries: Vec<(TypeId, Box<dyn StateData>)>,
+    entries: Vec<Entry>,
 }
 
 impl CycleState {
     /// Stores `value`, replacing any value of the same type.
     pub fn write<T: StateData>(&mut self, value: T) {
         let id = TypeId::of::<T>();
-        let boxed: Box<dyn StateData> = Box::new(value);
-        match self.entries.iter_mut().find(|(t, _)| *t == id) {
-            Some(e) => e.1 = boxed,
-            None => self.entries.push((id, boxed)),
+        let boxed: Box<AnyData> = Box::new(value);
+        match self.entries.iter_mut().find(|e| e.id == id) {
+            Some(e) => e.value = boxed,
+            None => self.entries.push(Entry {
+                id,
+                value: boxed,
+                clone: clone_as::<T>,
+            }),
         }
     }
 
@@ -208,8 +215,8 @@ impl CycleState {
         let id = TypeId::of::<T>();
         self.entries
             .iter()
-            .find(|(t, _)| *t == id)
-            .and_then(|(_, v)| (**v).as_any().downcast_ref())
+            .find(|e| e.id == id)
+            .and_then(|e| e.value.downcast_ref())
     }
 
     /// Mutable access to the value of type `T`.
@@ -217,8 +224,8 @@ impl CycleState {
         let id = TypeId::of::<T>();
         self.entries
             .iter_mut()
-            .find(|(t, _)| *t == id)
-            .and_then(|(_, v)| (**v).as_any_mut().downcast_mut())
+            .find(|e| e.id == id)
+            .and_then(|e| e.value.downcast_mut())
     }
 
     /// Removes everything (between cycles).
@@ -233,7 +240,11 @@ impl Clone for CycleState {
             entries: self
                 .entries
                 .iter()
-                .map(|(t, v)| (*t, (**v).clone_data()))
+                .map(|e| Entry {
+                    id: e.id,
+                    value: (e.clone)(&*e.value),
+                    clone: e.clone,
+                })
                 .collect(),
         }
     }

@@ -461,3 +461,22 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn large_clusters_use_sparse_domain_counts(
+        node_specs in prop::collection::vec(node_strategy(), 260..300),
+        req_specs in prop::collection::vec(req_strategy(), 1..60),
+    ) {
+        // More than 256 hostnames: per-node terms keep sparse counts.
+        let nodes = build_nodes(&node_specs);
+        let reqs: Vec<Request> = req_specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| build_req(i, &ReqSpec { anti: 1 + (i % 2) as u8, ..s.clone() }))
+            .collect();
+        run_sequence(&nodes, &reqs, None)?;
+    }
+}

@@ -10,7 +10,7 @@ use crate::framework::{
     Ctx, CycleState, FilterPlugin, MAX_NODE_SCORE, Plugin, PreFilterPlugin, PreFilterResult,
     PreScorePlugin, PreScoreResult, Reason, ScorePlugin, min_max_normalize,
 };
-use crate::plugins::{column_for, count_matching};
+use crate::plugins::{DomainCounts, column_for, count_matching, domain_counts_of_nodes};
 use crate::selector::{CSelector, matches_map};
 use crate::snapshot::{ClusterSnapshot, NO_DOMAIN, NodeInfo, VmInfo};
 use crate::types::VmAffinityTerm;
@@ -29,7 +29,7 @@ impl InterVmAffinity {
 struct TermCounts {
     /// Column of the topology key; `None` when no node has the key.
     col: Option<usize>,
-    counts: Vec<u32>,
+    counts: DomainCounts,
     selector: CSelector,
     /// For existing anti-affinity groups: the group id.
     group: Option<u32>,
@@ -56,7 +56,7 @@ impl TermCounts {
             None => (
                 Self {
                     col: None,
-                    counts: Vec::new(),
+                    counts: DomainCounts::Dense(Vec::new()),
                     selector,
                     group: None,
                     weight,
@@ -71,15 +71,14 @@ impl TermCounts {
     fn at(&self, snap: &ClusterSnapshot, slot: u32) -> Option<u32> {
         let col = self.col?;
         let d = snap.columns[col].domain_of[slot as usize];
-        (d != NO_DOMAIN).then(|| self.counts[d as usize])
+        (d != NO_DOMAIN).then(|| self.counts.get(d))
     }
 
     fn adjust(&mut self, snap: &ClusterSnapshot, slot: u32, add: bool) {
         let Some(col) = self.col else { return };
         let d = snap.columns[col].domain_of[slot as usize];
         if d != NO_DOMAIN {
-            let c = &mut self.counts[d as usize];
-            *c = if add { *c + 1 } else { c.saturating_sub(1) };
+            self.counts.adjust(d, add);
         }
     }
 }
@@ -167,14 +166,10 @@ impl PreFilterPlugin for InterVmAffinity {
             let Some(col) = snap.column_index(grp.topology_key) else {
                 continue;
             };
-            let column = &snap.columns[col];
-            let mut counts = vec![0u32; column.domains()];
-            for (&slot, &n) in &grp.per_node {
-                let d = column.domain_of[slot as usize];
-                if d != NO_DOMAIN {
-                    counts[d as usize] += n;
-                }
-            }
+            let counts = domain_counts_of_nodes(
+                &snap.columns[col],
+                grp.per_node.iter().map(|(&s, &n)| (s, n)),
+            );
             st.existing.push(TermCounts {
                 col: Some(col),
                 counts,

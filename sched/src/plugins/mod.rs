@@ -40,6 +40,86 @@ use crate::intern::Sym;
 use crate::selector::CSelector;
 use crate::snapshot::{ClusterSnapshot, NO_DOMAIN, TopoColumn};
 
+/// Columns with more domains than this (e.g. hostname) keep sparse counts.
+const DENSE_MAX_DOMAINS: usize = 256;
+
+/// Matching-VM counts per topology domain: dense for few domains (zones),
+/// sorted `(domain, count)` pairs for many (hostnames), so a term over 20
+/// VMs on 5,000 nodes costs 20 entries, not 5,000.
+#[derive(Clone, Debug)]
+pub(crate) enum DomainCounts {
+    Dense(Vec<u32>),
+    Sparse(Vec<(u32, u32)>),
+}
+
+impl DomainCounts {
+    fn from_pairs(domains: usize, mut pairs: Vec<(u32, u32)>) -> Self {
+        if domains <= DENSE_MAX_DOMAINS {
+            let mut v = vec![0u32; domains];
+            for (d, n) in pairs {
+                v[d as usize] += n;
+            }
+            return DomainCounts::Dense(v);
+        }
+        pairs.sort_unstable();
+        let mut out: Vec<(u32, u32)> = Vec::with_capacity(pairs.len());
+        for (d, n) in pairs {
+            match out.last_mut() {
+                Some(last) if last.0 == d => last.1 += n,
+                _ => out.push((d, n)),
+            }
+        }
+        DomainCounts::Sparse(out)
+    }
+
+    /// Count in domain `d`.
+    #[inline]
+    pub(crate) fn get(&self, d: u32) -> u32 {
+        match self {
+            DomainCounts::Dense(v) => v.get(d as usize).copied().unwrap_or(0),
+            DomainCounts::Sparse(v) => v
+                .binary_search_by_key(&d, |&(x, _)| x)
+                .map_or(0, |i| v[i].1),
+        }
+    }
+
+    /// Adds one to (or removes one from) domain `d`.
+    pub(crate) fn adjust(&mut self, d: u32, add: bool) {
+        match self {
+            DomainCounts::Dense(v) => {
+                if let Some(c) = v.get_mut(d as usize) {
+                    *c = if add { *c + 1 } else { c.saturating_sub(1) };
+                }
+            }
+            DomainCounts::Sparse(v) => match v.binary_search_by_key(&d, |&(x, _)| x) {
+                Ok(i) if add => v[i].1 += 1,
+                Ok(i) => {
+                    v[i].1 = v[i].1.saturating_sub(1);
+                    if v[i].1 == 0 {
+                        v.remove(i);
+                    }
+                }
+                Err(i) if add => v.insert(i, (d, 1)),
+                Err(_) => {}
+            },
+        }
+    }
+
+    /// All counts as a dense vector of `domains` entries.
+    pub(crate) fn into_dense(self, domains: usize) -> Vec<u32> {
+        match self {
+            DomainCounts::Dense(v) => v,
+            DomainCounts::Sparse(pairs) => {
+                let mut v = vec![0u32; domains];
+                for (d, n) in pairs {
+                    v[d as usize] += n;
+                }
+                v
+            }
+        }
+    }
+}
+
 /// Counts VMs matching `sel` per domain of `col`, only on nodes accepted by
 /// `node_ok`. Uses the label-pair index when the selector has an `In`
 /// requirement, so only nodes holding candidate VMs are visited.
@@ -48,16 +128,16 @@ pub(crate) fn count_matching(
     sel: &CSelector,
     col: &TopoColumn,
     mut node_ok: impl FnMut(u32) -> bool,
-) -> (Vec<u32>, u32) {
-    let mut counts = vec![0u32; col.domains()];
+) -> (DomainCounts, u32) {
+    let mut pairs: Vec<(u32, u32)> = Vec::new();
     let mut total = 0u32;
     if sel.is_never() {
-        return (counts, 0);
+        return (DomainCounts::from_pairs(col.domains(), pairs), 0);
     }
-    let mut add = |slot: u32, n: u32, counts: &mut Vec<u32>| {
+    let mut add = |slot: u32, n: u32| {
         let d = col.domain_of[slot as usize];
         if d != NO_DOMAIN {
-            counts[d as usize] += n;
+            pairs.push((d, n));
         }
         total += n;
     };
@@ -65,38 +145,52 @@ pub(crate) fn count_matching(
         if let Some(m) = snap.vm_pairs.get(&pair) {
             for (&slot, &n) in m {
                 if node_ok(slot) {
-                    add(slot, n, &mut counts);
+                    add(slot, n);
                 }
             }
         }
-        return (counts, total);
-    }
-    let mut slots: Vec<u32> = match sel.first_in() {
-        Some((k, vs)) => vs
-            .iter()
-            .filter_map(|&v| snap.vm_pairs.get(&(k, v)))
-            .flat_map(|m| m.keys().copied())
-            .collect(),
-        None => snap.nodes().map(|n| n.slot).collect(),
-    };
-    slots.sort_unstable();
-    slots.dedup();
-    for slot in slots {
-        if !node_ok(slot) {
-            continue;
+    } else {
+        let mut slots: Vec<u32> = match sel.first_in() {
+            Some((k, vs)) => vs
+                .iter()
+                .filter_map(|&v| snap.vm_pairs.get(&(k, v)))
+                .flat_map(|m| m.keys().copied())
+                .collect(),
+            None => snap.nodes().map(|n| n.slot).collect(),
+        };
+        slots.sort_unstable();
+        slots.dedup();
+        for slot in slots {
+            if !node_ok(slot) {
+                continue;
+            }
+            let node = &snap.nodes[slot as usize];
+            let n = node
+                .vms
+                .iter()
+                .filter_map(|&id| snap.vm(id))
+                .filter(|vm| sel.matches(&vm.labels, &snap.interner))
+                .count() as u32;
+            if n > 0 {
+                add(slot, n);
+            }
         }
-        let node = &snap.nodes[slot as usize];
-        let n = node
-            .vms
-            .iter()
-            .filter_map(|&id| snap.vm(id))
-            .filter(|vm| sel.matches(&vm.labels, &snap.interner))
-            .count() as u32;
-        if n > 0 {
-            add(slot, n, &mut counts);
-        }
     }
-    (counts, total)
+    (DomainCounts::from_pairs(col.domains(), pairs), total)
+}
+
+/// Sums per-node counts into per-domain counts of `col`.
+pub(crate) fn domain_counts_of_nodes(
+    col: &TopoColumn,
+    per_node: impl Iterator<Item = (u32, u32)>,
+) -> DomainCounts {
+    let pairs = per_node
+        .filter_map(|(slot, n)| {
+            let d = col.domain_of[slot as usize];
+            (d != NO_DOMAIN).then_some((d, n))
+        })
+        .collect();
+    DomainCounts::from_pairs(col.domains(), pairs)
 }
 
 /// `part * scale / whole` for `part <= whole`, in u64 when it cannot
@@ -116,4 +210,34 @@ pub(crate) fn ratio(part: u64, whole: u64, scale: u64) -> u64 {
 pub(crate) fn column_for(snap: &ClusterSnapshot, key: &str) -> Option<(Sym, usize)> {
     let k = snap.interner.get(key)?;
     snap.column_index(k).map(|c| (k, c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_and_sparse_counts_agree() {
+        let pairs = vec![(7, 1), (3, 2), (7, 4), (300, 1)];
+        let dense = DomainCounts::from_pairs(
+            DENSE_MAX_DOMAINS,
+            pairs.iter().copied().filter(|p| p.0 < 256).collect(),
+        );
+        let mut sparse = DomainCounts::from_pairs(1000, pairs);
+        assert!(matches!(sparse, DomainCounts::Sparse(_)));
+        assert!(matches!(dense, DomainCounts::Dense(_)));
+        for d in [3, 7, 0, 255] {
+            assert_eq!(dense.get(d), sparse.get(d), "{d}");
+        }
+        assert_eq!(sparse.get(7), 5);
+        assert_eq!(sparse.get(300), 1);
+        sparse.adjust(300, false);
+        assert_eq!(sparse.get(300), 0);
+        sparse.adjust(300, false);
+        sparse.adjust(5, true);
+        sparse.adjust(5, true);
+        assert_eq!(sparse.get(5), 2);
+        let v = sparse.into_dense(1000);
+        assert_eq!((v[3], v[5], v[7], v[300]), (2, 2, 5, 0));
+    }
 }

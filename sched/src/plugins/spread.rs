@@ -77,6 +77,7 @@ fn build(cx: &Ctx<'_>, cons: &[&TopologySpreadConstraint]) -> SpreadState {
             Some(ci) => {
                 let column = &snap.columns[ci];
                 let (counts, _) = count_matching(snap, &selector, column, eligible_node);
+                let counts = counts.into_dense(column.domains());
                 let eligible = if affinity.is_none() {
                     column.nodes_per_domain.iter().map(|&n| n > 0).collect()
                 } else {

@@ -139,7 +139,7 @@ fn host_qemu_boots_the_guest_image_with_kvm_in_the_box() {
         .file("disk.img", &disk)
         .file_bytes("l2.sh", script, 0o755)
         .collect("disk.img")
-        .timeout(Duration::from_secs(300))
+        .timeout(Duration::from_secs(480))
         .run("/bin/busybox", ["sh", "l2.sh"])
         .unwrap();
     assert_eq!(out.exit_status, 0, "{}", out.output);

@@ -13,6 +13,6 @@
 //! consume `store::Store`.
 #![warn(missing_docs)]
 
+pub mod api;
 pub mod resources;
 pub mod store;
-pub mod api;

@@ -11,8 +11,13 @@ use serde_json::{Value, json};
 const VMS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachines";
 
 fn vm(name: &str) -> Value {
-    let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&manifest("vm-cirros.yaml")).map(|d| serde::Deserialize::deserialize(d).unwrap()).collect();
-    let mut v = docs.into_iter().find(|d| d["kind"] == "VirtualMachine").unwrap();
+    let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&manifest("vm-cirros.yaml"))
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let mut v = docs
+        .into_iter()
+        .find(|d| d["kind"] == "VirtualMachine")
+        .unwrap();
     v["metadata"]["name"] = json!(name);
     v
 }
@@ -31,17 +36,39 @@ async fn authentication_and_read_only_role() {
     let ts = start().await;
     let admin = Client::new(&ts);
     assert_eq!(admin.get(VMS).await.status, 200);
-    assert_status(&Client::new(&ts).with_token(None).get(VMS).await, 401, "Unauthorized");
-    assert_status(&Client::new(&ts).with_token(Some("nope")).get("/apis").await, 401, "Unauthorized");
+    assert_status(
+        &Client::new(&ts).with_token(None).get(VMS).await,
+        401,
+        "Unauthorized",
+    );
+    assert_status(
+        &Client::new(&ts).with_token(Some("nope")).get("/apis").await,
+        401,
+        "Unauthorized",
+    );
     let ro = Client::new(&ts).with_token(Some(&ts.server.tokens.readonly));
     assert_eq!(ro.get(VMS).await.status, 200);
     assert_status(&ro.post_json(VMS, &vm("ro")).await, 403, "Forbidden");
-    assert_eq!(Client::new(&ts).with_token(None).get("/healthz").await.status, 200);
+    assert_eq!(
+        Client::new(&ts)
+            .with_token(None)
+            .get("/healthz")
+            .await
+            .status,
+        200
+    );
     // The kubeconfig is private and names both users.
     let kc = std::fs::read_to_string(&ts.server.kubeconfig).unwrap();
     assert!(kc.contains(&ts.server.tokens.admin) && kc.contains("sheaf-readonly"));
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(std::fs::metadata(&ts.server.kubeconfig).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(&ts.server.kubeconfig)
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
 }
 
 #[tokio::test]
@@ -50,18 +77,68 @@ async fn bad_bodies_get_status_errors() {
     let c = Client::new(&ts);
     assert_eq!(c.post_json(VMS, &vm("keep")).await.status, 201);
 
-    assert_status(&c.req("POST", VMS, Some("application/json"), "{not json").await, 400, "BadRequest");
-    assert_status(&c.req("POST", VMS, Some("application/yaml"), "a: [").await, 400, "BadRequest");
-    assert_status(&c.req("POST", VMS, Some("application/json"), "[1,2]").await, 400, "BadRequest");
-    assert_status(&c.req("POST", VMS, Some("application/json"), "").await, 400, "BadRequest");
-    assert_status(&c.req("POST", VMS, Some("application/vnd.kubernetes.protobuf"), "x").await, 415, "UnsupportedMediaType");
-    assert_status(&c.req("PATCH", &format!("{VMS}/keep"), Some("text/plain"), "{}").await, 415, "UnsupportedMediaType");
-    assert_status(&c.req("POST", VMS, Some("application/json"), vec![b' '; 4 << 20]).await, 413, "RequestEntityTooLarge");
-    assert_status(&c.get("/apis/kubevirt.io/v1/namespaces/default/widgets").await, 404, "NotFound");
+    assert_status(
+        &c.req("POST", VMS, Some("application/json"), "{not json")
+            .await,
+        400,
+        "BadRequest",
+    );
+    assert_status(
+        &c.req("POST", VMS, Some("application/yaml"), "a: [").await,
+        400,
+        "BadRequest",
+    );
+    assert_status(
+        &c.req("POST", VMS, Some("application/json"), "[1,2]").await,
+        400,
+        "BadRequest",
+    );
+    assert_status(
+        &c.req("POST", VMS, Some("application/json"), "").await,
+        400,
+        "BadRequest",
+    );
+    assert_status(
+        &c.req(
+            "POST",
+            VMS,
+            Some("application/vnd.kubernetes.protobuf"),
+            "x",
+        )
+        .await,
+        415,
+        "UnsupportedMediaType",
+    );
+    assert_status(
+        &c.req("PATCH", &format!("{VMS}/keep"), Some("text/plain"), "{}")
+            .await,
+        415,
+        "UnsupportedMediaType",
+    );
+    assert_status(
+        &c.req("POST", VMS, Some("application/json"), vec![b' '; 4 << 20])
+            .await,
+        413,
+        "RequestEntityTooLarge",
+    );
+    assert_status(
+        &c.get("/apis/kubevirt.io/v1/namespaces/default/widgets")
+            .await,
+        404,
+        "NotFound",
+    );
     assert_status(&c.get("/apis/nope.io/v1").await, 404, "NotFound");
     assert_status(&c.get(&format!("{VMS}/missing")).await, 404, "NotFound");
-    assert_status(&c.req("PUT", VMS, Some("application/json"), "{}").await, 405, "MethodNotAllowed");
-    assert_status(&c.get(&format!("{VMS}?labelSelector=a%20in%20b")).await, 400, "BadRequest");
+    assert_status(
+        &c.req("PUT", VMS, Some("application/json"), "{}").await,
+        405,
+        "MethodNotAllowed",
+    );
+    assert_status(
+        &c.get(&format!("{VMS}?labelSelector=a%20in%20b")).await,
+        400,
+        "BadRequest",
+    );
 
     // Wrong kind for the URL, and an unknown kind.
     let mut wrong = vm("w");
@@ -73,34 +150,80 @@ async fn bad_bodies_get_status_errors() {
 
     // Unknown fields: strict by default, names the field path.
     let mut unknown = vm("u");
-    unknown["spec"]["template"]["spec"]["domain"]["devices"]["disks"][0]["frobnicate"] = json!(true);
+    unknown["spec"]["template"]["spec"]["domain"]["devices"]["disks"][0]["frobnicate"] =
+        json!(true);
     let s = assert_status(&c.post_json(VMS, &unknown).await, 400, "BadRequest");
-    assert!(s["message"].as_str().unwrap().contains("unknown field \"spec.template.spec.domain.devices.disks[0].frobnicate\""), "{s}");
+    assert!(
+        s["message"]
+            .as_str()
+            .unwrap()
+            .contains("unknown field \"spec.template.spec.domain.devices.disks[0].frobnicate\""),
+        "{s}"
+    );
     // ... dropped with a warning when the client asks for Warn.
-    let r = c.post_json(&format!("{VMS}?fieldValidation=Warn"), &unknown).await;
+    let r = c
+        .post_json(&format!("{VMS}?fieldValidation=Warn"), &unknown)
+        .await;
     assert_eq!(r.status, 201);
-    assert!(r.headers.get("warning").unwrap().to_str().unwrap().contains("frobnicate"));
-    assert!(r.json()["spec"]["template"]["spec"]["domain"]["devices"]["disks"][0].get("frobnicate").is_none());
+    assert!(
+        r.headers
+            .get("warning")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .contains("frobnicate")
+    );
+    assert!(
+        r.json()["spec"]["template"]["spec"]["domain"]["devices"]["disks"][0]
+            .get("frobnicate")
+            .is_none()
+    );
 
     // Invalid values: 422 with causes naming the field.
     let mut scsi = vm("s");
-    scsi["spec"]["template"]["spec"]["domain"]["devices"]["disks"][0]["disk"]["bus"] = json!("scsi");
+    scsi["spec"]["template"]["spec"]["domain"]["devices"]["disks"][0]["disk"]["bus"] =
+        json!("scsi");
     let s = assert_status(&c.post_json(VMS, &scsi).await, 422, "Invalid");
     let cause = &s["details"]["causes"][0];
-    assert_eq!(cause["field"], "spec.template.spec.domain.devices.disks[0].disk.bus");
+    assert_eq!(
+        cause["field"],
+        "spec.template.spec.domain.devices.disks[0].disk.bus"
+    );
     assert_eq!(cause["reason"], "FieldValueNotSupported");
-    assert!(s["message"].as_str().unwrap().contains("Unsupported value: \"scsi\""));
+    assert!(
+        s["message"]
+            .as_str()
+            .unwrap()
+            .contains("Unsupported value: \"scsi\"")
+    );
     let mut both = vm("b");
     both["spec"]["runStrategy"] = json!("Always");
     both["spec"]["template"]["spec"]["domain"]["resources"]["requests"]["memory"] = json!("lots");
     let s = assert_status(&c.post_json(VMS, &both).await, 422, "Invalid");
-    let fields: Vec<&str> = s["details"]["causes"].as_array().unwrap().iter().map(|c| c["field"].as_str().unwrap()).collect();
-    assert!(fields.contains(&"spec.running") && fields.contains(&"spec.template.spec.domain.resources.requests.memory"), "{fields:?}");
+    let fields: Vec<&str> = s["details"]["causes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["field"].as_str().unwrap())
+        .collect();
+    assert!(
+        fields.contains(&"spec.running")
+            && fields.contains(&"spec.template.spec.domain.resources.requests.memory"),
+        "{fields:?}"
+    );
     let mut badname = vm("Bad_Name");
     badname["metadata"]["name"] = json!("Bad_Name");
     assert_status(&c.post_json(VMS, &badname).await, 422, "Invalid");
     // Missing namespace.
-    assert_status(&c.post_json("/apis/kubevirt.io/v1/namespaces/ghost/virtualmachines", &vm("x")).await, 404, "NotFound");
+    assert_status(
+        &c.post_json(
+            "/apis/kubevirt.io/v1/namespaces/ghost/virtualmachines",
+            &vm("x"),
+        )
+        .await,
+        404,
+        "NotFound",
+    );
 
     // Conflicts.
     assert_status(&c.post_json(VMS, &vm("keep")).await, 409, "AlreadyExists");
@@ -108,14 +231,49 @@ async fn bad_bodies_get_status_errors() {
     let mut stale = cur.clone();
     stale["metadata"]["resourceVersion"] = json!("1");
     stale["spec"]["running"] = json!(true);
-    assert_status(&c.req("PUT", &format!("{VMS}/keep"), Some("application/json"), serde_json::to_vec(&stale).unwrap()).await, 409, "Conflict");
+    assert_status(
+        &c.req(
+            "PUT",
+            &format!("{VMS}/keep"),
+            Some("application/json"),
+            serde_json::to_vec(&stale).unwrap(),
+        )
+        .await,
+        409,
+        "Conflict",
+    );
     let stale_patch = json!({"metadata": {"resourceVersion": "1"}, "spec": {"running": true}});
-    assert_status(&c.req("PATCH", &format!("{VMS}/keep"), Some("application/merge-patch+json"), serde_json::to_vec(&stale_patch).unwrap()).await, 409, "Conflict");
+    assert_status(
+        &c.req(
+            "PATCH",
+            &format!("{VMS}/keep"),
+            Some("application/merge-patch+json"),
+            serde_json::to_vec(&stale_patch).unwrap(),
+        )
+        .await,
+        409,
+        "Conflict",
+    );
     // A failed JSON patch test op.
     let failing = r#"[{"op":"test","path":"/spec/running","value":true}]"#;
-    assert_status(&c.req("PATCH", &format!("{VMS}/keep"), Some("application/json-patch+json"), failing).await, 422, "Invalid");
+    assert_status(
+        &c.req(
+            "PATCH",
+            &format!("{VMS}/keep"),
+            Some("application/json-patch+json"),
+            failing,
+        )
+        .await,
+        422,
+        "Invalid",
+    );
     // Refused deletes of system namespaces.
-    assert_status(&c.req("DELETE", "/api/v1/namespaces/default", None, "").await, 403, "Forbidden");
+    assert_status(
+        &c.req("DELETE", "/api/v1/namespaces/default", None, "")
+            .await,
+        403,
+        "Forbidden",
+    );
 
     // After all that, the original object is intact.
     let after = c.get(&format!("{VMS}/keep")).await.json();
@@ -126,7 +284,10 @@ async fn bad_bodies_get_status_errors() {
 async fn watch_gone_and_bookmarks() {
     use std::sync::Arc;
     let store = Arc::new(sheaf_orchestrator::store::MemoryStore::with_history(10));
-    let ts = common::start_with(store, |c| c.bookmark_interval = std::time::Duration::from_millis(200)).await;
+    let ts = common::start_with(store, |c| {
+        c.bookmark_interval = std::time::Duration::from_millis(200)
+    })
+    .await;
     let c = Client::new(&ts);
     for i in 0..30 {
         assert_eq!(c.post_json(VMS, &vm(&format!("vm{i}"))).await.status, 201);
@@ -137,19 +298,44 @@ async fn watch_gone_and_bookmarks() {
     assert_eq!(ev["object"]["code"], 410);
     assert_eq!(ev["object"]["reason"], "Expired");
 
-    let rv = c.get(VMS).await.json()["metadata"]["resourceVersion"].as_str().unwrap().to_string();
-    let mut w = c.watch(&format!("{VMS}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true")).await;
+    let rv = c.get(VMS).await.json()["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut w = c
+        .watch(&format!(
+            "{VMS}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true"
+        ))
+        .await;
     assert_eq!(c.post_json(VMS, &vm("late")).await.status, 201);
     let ev = recv(&mut w).await;
-    assert_eq!((ev["type"].as_str().unwrap(), ev["object"]["metadata"]["name"].as_str().unwrap()), ("ADDED", "late"));
+    assert_eq!(
+        (
+            ev["type"].as_str().unwrap(),
+            ev["object"]["metadata"]["name"].as_str().unwrap()
+        ),
+        ("ADDED", "late")
+    );
     // Writes to another kind advance the version; a bookmark reports it.
     let vol = json!({"apiVersion": "sheaf.dev/v1", "kind": "Volume", "metadata": {"name": "v"}, "spec": {"size": "1Gi"}});
-    assert_eq!(c.post_json("/apis/sheaf.dev/v1/namespaces/default/volumes", &vol).await.status, 201);
+    assert_eq!(
+        c.post_json("/apis/sheaf.dev/v1/namespaces/default/volumes", &vol)
+            .await
+            .status,
+        201
+    );
     let bm = recv(&mut w).await;
     assert_eq!(bm["type"], "BOOKMARK");
     assert_eq!(bm["object"]["kind"], "VirtualMachine");
-    let bm_rv: u64 = bm["object"]["metadata"]["resourceVersion"].as_str().unwrap().parse().unwrap();
-    assert!(bm_rv > rv.parse::<u64>().unwrap() + 1, "bookmark {bm_rv} covers the volume write");
+    let bm_rv: u64 = bm["object"]["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        bm_rv > rv.parse::<u64>().unwrap() + 1,
+        "bookmark {bm_rv} covers the volume write"
+    );
 }
 
 #[tokio::test]
@@ -158,16 +344,34 @@ async fn discovery_and_openapi() {
     let c = Client::new(&ts);
     assert_eq!(c.get("/version").await.json()["major"], "1");
     let groups = c.get("/apis").await.json();
-    let names: Vec<&str> = groups["groups"].as_array().unwrap().iter().map(|g| g["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = groups["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["name"].as_str().unwrap())
+        .collect();
     assert_eq!(names, vec!["kubevirt.io", "sheaf.dev"]);
     let index = c.get("/openapi/v3").await.json();
-    let url = index["paths"]["apis/kubevirt.io/v1"]["serverRelativeURL"].as_str().unwrap().to_string();
+    let url = index["paths"]["apis/kubevirt.io/v1"]["serverRelativeURL"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let doc = c.get(&url).await.json();
     assert!(doc["components"]["schemas"]["io.kubevirt.v1.VirtualMachineInstance"].is_object());
     let table = c.req("GET", VMS, None, "").await;
     assert_eq!(table.status, 200);
     let mut s = c.connect().await;
-    let r = Client::send_on(&mut s, c.build("GET", "/apis/sheaf.dev/v1/nodes", None, "", Some("application/json;as=Table;v=v1;g=meta.k8s.io,application/json"))).await;
+    let r = Client::send_on(
+        &mut s,
+        c.build(
+            "GET",
+            "/apis/sheaf.dev/v1/nodes",
+            None,
+            "",
+            Some("application/json;as=Table;v=v1;g=meta.k8s.io,application/json"),
+        ),
+    )
+    .await;
     let t = r.json();
     assert_eq!(t["kind"], "Table");
     assert_eq!(t["columnDefinitions"][1]["name"], "Status");

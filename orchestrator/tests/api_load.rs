@@ -19,7 +19,10 @@ const VMS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachines";
 const WRITERS: usize = 4;
 
 fn env_or(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
@@ -35,32 +38,56 @@ async fn watchers_see_every_write_exactly_once() {
     let writes = env_or("SHEAF_LOAD_WRITES", 1000) / (2 * WRITERS) * (2 * WRITERS);
     let tmp = tempfile::tempdir().unwrap();
     let use_redb = std::env::var("SHEAF_LOAD_STORE").is_ok_and(|v| v == "redb");
-    let store: Arc<dyn Store> = if use_redb { Arc::new(RedbStore::open(tmp.path().join("load.redb")).unwrap()) } else { Arc::new(MemoryStore::new()) };
+    let store: Arc<dyn Store> = if use_redb {
+        Arc::new(RedbStore::open(tmp.path().join("load.redb")).unwrap())
+    } else {
+        Arc::new(MemoryStore::new())
+    };
     let ts = start_with(store, |_| {}).await;
     let client = Arc::new(Client::new(&ts));
-    let start_rv = client.get(VMS).await.json()["metadata"]["resourceVersion"].as_str().unwrap().to_string();
+    let start_rv = client.get(VMS).await.json()["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_string();
 
     // Watchers record (rv, type, receipt time).
     type Seen = Vec<(u64, String, Instant)>;
     let mut handles = Vec::new();
     for _ in 0..watchers {
-        let mut rx = client.watch(&format!("{VMS}?watch=1&resourceVersion={start_rv}&timeoutSeconds=120")).await;
+        let mut rx = client
+            .watch(&format!(
+                "{VMS}?watch=1&resourceVersion={start_rv}&timeoutSeconds=120"
+            ))
+            .await;
         handles.push(tokio::spawn(async move {
             let mut seen: Seen = Vec::new();
             let deadline = Instant::now() + Duration::from_secs(120);
             while seen.len() < writes && Instant::now() < deadline {
                 match tokio::time::timeout(Duration::from_secs(30), rx.recv()).await {
                     Ok(Some(ev)) => {
-                        let rv: u64 = ev["object"]["metadata"]["resourceVersion"].as_str().unwrap().parse().unwrap();
+                        let rv: u64 = ev["object"]["metadata"]["resourceVersion"]
+                            .as_str()
+                            .unwrap()
+                            .parse()
+                            .unwrap();
                         seen.push((rv, ev["type"].as_str().unwrap().to_string(), Instant::now()));
                     }
                     _ => break,
                 }
             }
             // Anything extra (a duplicate) arriving shortly after counts too.
-            if let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await {
-                let rv: u64 = ev["object"]["metadata"]["resourceVersion"].as_str().unwrap_or("0").parse().unwrap_or(0);
-                seen.push((rv, ev["type"].as_str().unwrap_or("?").to_string(), Instant::now()));
+            if let Ok(Some(ev)) = tokio::time::timeout(Duration::from_millis(200), rx.recv()).await
+            {
+                let rv: u64 = ev["object"]["metadata"]["resourceVersion"]
+                    .as_str()
+                    .unwrap_or("0")
+                    .parse()
+                    .unwrap_or(0);
+                seen.push((
+                    rv,
+                    ev["type"].as_str().unwrap_or("?").to_string(),
+                    Instant::now(),
+                ));
             }
             seen
         }));
@@ -105,8 +132,13 @@ async fn watchers_see_every_write_exactly_once() {
     let drain_time = t0.elapsed();
 
     let done = done_at.lock().unwrap().clone();
-    assert_eq!(done.len(), writes, "every write returned a distinct resourceVersion");
-    let mut expected: Vec<(u64, String)> = done.iter().map(|(rv, (t, _))| (*rv, t.clone())).collect();
+    assert_eq!(
+        done.len(),
+        writes,
+        "every write returned a distinct resourceVersion"
+    );
+    let mut expected: Vec<(u64, String)> =
+        done.iter().map(|(rv, (t, _))| (*rv, t.clone())).collect();
     expected.sort();
     let mut missed = 0usize;
     let mut duplicated = 0usize;
@@ -115,9 +147,13 @@ async fn watchers_see_every_write_exactly_once() {
         let got: Vec<(u64, String)> = seen.iter().map(|(rv, t, _)| (*rv, t.clone())).collect();
         let mut uniq = got.clone();
         uniq.dedup();
-        duplicated += got.len().saturating_sub(uniq.len()) + got.len().saturating_sub(writes).min(1);
+        duplicated +=
+            got.len().saturating_sub(uniq.len()) + got.len().saturating_sub(writes).min(1);
         missed += expected.iter().filter(|e| !got.contains(e)).count();
-        assert!(got.windows(2).all(|w| w[0].0 < w[1].0), "events in resourceVersion order");
+        assert!(
+            got.windows(2).all(|w| w[0].0 < w[1].0),
+            "events in resourceVersion order"
+        );
         for (rv, _, at) in seen {
             if let Some((_, wrote)) = done.get(rv) {
                 latencies.push(at.saturating_duration_since(*wrote));

@@ -19,7 +19,11 @@ struct Kubectl {
 impl Kubectl {
     fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new("kubectl");
-        c.arg("--kubeconfig").arg(&self.kubeconfig).arg("--cache-dir").arg(&self.cache).args(args);
+        c.arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .arg("--cache-dir")
+            .arg(&self.cache)
+            .args(args);
         c.stdin(Stdio::null());
         c
     }
@@ -27,7 +31,11 @@ impl Kubectl {
     /// Runs kubectl; returns (success, stdout, stderr).
     fn run(&self, args: &[&str]) -> (bool, String, String) {
         let out = self.cmd(args).output().expect("run kubectl");
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     }
 
     fn ok(&self, args: &[&str]) -> String {
@@ -38,7 +46,12 @@ impl Kubectl {
 }
 
 fn have(tool: &str, arg: &str) -> bool {
-    Command::new(tool).arg(arg).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
+    Command::new(tool)
+        .arg(arg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 fn manifests() -> String {
@@ -47,12 +60,21 @@ fn manifests() -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kubectl_end_to_end() {
-    if !have("kubectl", "version") && !Command::new("kubectl").arg("version").arg("--client").output().is_ok_and(|o| o.status.success()) {
+    if !have("kubectl", "version")
+        && !Command::new("kubectl")
+            .arg("version")
+            .arg("--client")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    {
         eprintln!("SKIP: kubectl not installed");
         return;
     }
     let ts = start().await;
-    let k = Kubectl { kubeconfig: ts.server.kubeconfig.clone(), cache: ts.dir.path().join("kcache") };
+    let k = Kubectl {
+        kubeconfig: ts.server.kubeconfig.clone(),
+        cache: ts.dir.path().join("kcache"),
+    };
     let dir = manifests();
     tokio::task::spawn_blocking(move || {
         // apply -f a directory: Volume, VMs, VMI, migration.
@@ -136,28 +158,68 @@ async fn kubectl_end_to_end() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_client_lists_and_watches() {
-    if !Command::new("python3").args(["-c", "import kubernetes"]).status().is_ok_and(|s| s.success()) {
+    if !Command::new("python3")
+        .args(["-c", "import kubernetes"])
+        .status()
+        .is_ok_and(|s| s.success())
+    {
         eprintln!("SKIP: python3 with the kubernetes package not installed");
         return;
     }
     // A short history, so that resourceVersion 1 is compacted away (410).
-    let ts = common::start_with(std::sync::Arc::new(sheaf_orchestrator::store::MemoryStore::with_history(5)), |_| {}).await;
+    let ts = common::start_with(
+        std::sync::Arc::new(sheaf_orchestrator::store::MemoryStore::with_history(5)),
+        |_| {},
+    )
+    .await;
     let c = common::Client::new(&ts);
     for i in 0..10 {
         let vol = serde_json::json!({"apiVersion": "sheaf.dev/v1", "kind": "Volume", "metadata": {"name": format!("v{i}")}, "spec": {"size": "1Gi"}});
-        assert_eq!(c.post_json("/apis/sheaf.dev/v1/namespaces/default/volumes", &vol).await.status, 201);
+        assert_eq!(
+            c.post_json("/apis/sheaf.dev/v1/namespaces/default/volumes", &vol)
+                .await
+                .status,
+            201
+        );
     }
     let vm = serde_json::json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": {"name": "py-1", "labels": {"app": "py"}},
         "spec": {"runStrategy": "Halted", "template": {"spec": {"domain": {"resources": {"requests": {"memory": "64Mi"}}}}}}});
-    assert_eq!(c.post_json("/apis/kubevirt.io/v1/namespaces/default/virtualmachines", &vm).await.status, 201);
+    assert_eq!(
+        c.post_json(
+            "/apis/kubevirt.io/v1/namespaces/default/virtualmachines",
+            &vm
+        )
+        .await
+        .status,
+        201
+    );
     let script = format!("{}/tests/python/list_watch.py", env!("CARGO_MANIFEST_DIR"));
     let kubeconfig = ts.server.kubeconfig.clone();
-    let out = tokio::task::spawn_blocking(move || Command::new("python3").arg(script).arg(kubeconfig).output().unwrap()).await.unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("python3")
+            .arg(script)
+            .arg(kubeconfig)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "python failed:\n{stdout}\n{stderr}");
-    for want in ["listed py-1", "ADDED py-2", "MODIFIED py-2 Halted", "DELETED py-2", "gone 410", "readonly 403", "OK"] {
-        assert!(stdout.contains(want), "missing {want:?} in:\n{stdout}\n{stderr}");
+    for want in [
+        "listed py-1",
+        "ADDED py-2",
+        "MODIFIED py-2 Halted",
+        "DELETED py-2",
+        "gone 410",
+        "readonly 403",
+        "OK",
+    ] {
+        assert!(
+            stdout.contains(want),
+            "missing {want:?} in:\n{stdout}\n{stderr}"
+        );
     }
     ts.server.shutdown().await;
 }

@@ -50,13 +50,18 @@ pub async fn authenticate(State(state): State<ApiState>, req: Request, next: Nex
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
         .map(str::trim);
     let Some(role) = token.and_then(|t| role_of(&state, t)) else {
         tracing::debug!(path = %req.uri().path(), "refused unauthenticated request");
         return ApiError::unauthorized().into_response();
     };
-    if role == Role::ReadOnly && !matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+    if role == Role::ReadOnly
+        && !matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS)
+    {
         let msg = format!(
             "User \"sheaf-readonly\" cannot {} resource at {}: the read-only role may only get, list and watch",
             req.method().as_str().to_lowercase(),

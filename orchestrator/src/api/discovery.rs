@@ -45,23 +45,35 @@ fn group_json(group: &str, version: &str) -> Value {
 
 /// `/apis`.
 pub fn group_list(reg: &Registry) -> Value {
-    let groups: Vec<Value> = reg.groups().into_iter().filter(|(g, _)| !g.is_empty()).map(|(g, v)| group_json(g, v)).collect();
+    let groups: Vec<Value> = reg
+        .groups()
+        .into_iter()
+        .filter(|(g, _)| !g.is_empty())
+        .map(|(g, v)| group_json(g, v))
+        .collect();
     json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups})
 }
 
 /// `/apis/<group>`.
 pub fn group(reg: &Registry, group: &str) -> Option<Value> {
-    reg.groups().into_iter().find(|(g, _)| *g == group && !g.is_empty()).map(|(g, v)| {
-        let mut doc = group_json(g, v);
-        doc["kind"] = json!("APIGroup");
-        doc["apiVersion"] = json!("v1");
-        doc
-    })
+    reg.groups()
+        .into_iter()
+        .find(|(g, _)| *g == group && !g.is_empty())
+        .map(|(g, v)| {
+            let mut doc = group_json(g, v);
+            doc["kind"] = json!("APIGroup");
+            doc["apiVersion"] = json!("v1");
+            doc
+        })
 }
 
 /// `/api/v1` or `/apis/<group>/<version>`.
 pub fn resource_list(reg: &Registry, group: &str, version: &str) -> Option<Value> {
-    let kinds: Vec<&KindInfo> = reg.kinds().iter().filter(|k| k.group == group && k.version == version).collect();
+    let kinds: Vec<&KindInfo> = reg
+        .kinds()
+        .iter()
+        .filter(|k| k.group == group && k.version == version)
+        .collect();
     if kinds.is_empty() {
         return None;
     }
@@ -86,8 +98,14 @@ pub fn resource_list(reg: &Registry, group: &str, version: &str) -> Option<Value
             }));
         }
     }
-    let gv = if group.is_empty() { version.to_string() } else { format!("{group}/{version}") };
-    Some(json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources}))
+    let gv = if group.is_empty() {
+        version.to_string()
+    } else {
+        format!("{group}/{version}")
+    };
+    Some(
+        json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources}),
+    )
 }
 
 fn gvk(k: &KindInfo) -> Value {
@@ -110,11 +128,26 @@ fn operation(k: &KindInfo, action: &str, schema_ref: &Value, id: &str) -> Value 
     match action {
         "post" | "put" | "patch" => {
             params.push(query_param("dryRun", "All: do not persist"));
-            params.push(query_param("fieldManager", "name of the actor making the change"));
-            params.push(query_param("fieldValidation", "Strict (default), Warn or Ignore unknown fields"));
+            params.push(query_param(
+                "fieldManager",
+                "name of the actor making the change",
+            ));
+            params.push(query_param(
+                "fieldValidation",
+                "Strict (default), Warn or Ignore unknown fields",
+            ));
         }
         "list" | "watch" | "watchlist" => {
-            for p in ["labelSelector", "fieldSelector", "limit", "continue", "resourceVersion", "watch", "allowWatchBookmarks", "timeoutSeconds"] {
+            for p in [
+                "labelSelector",
+                "fieldSelector",
+                "limit",
+                "continue",
+                "resourceVersion",
+                "watch",
+                "allowWatchBookmarks",
+                "timeoutSeconds",
+            ] {
                 params.push(query_param(p, p));
             }
         }
@@ -137,13 +170,21 @@ fn operation(k: &KindInfo, action: &str, schema_ref: &Value, id: &str) -> Value 
 
 fn schema_key(k: &KindInfo, name: &str) -> String {
     let rev: Vec<&str> = k.group.split('.').rev().collect();
-    let prefix = if k.group.is_empty() { "io.k8s.api.core".to_string() } else { rev.join(".") };
+    let prefix = if k.group.is_empty() {
+        "io.k8s.api.core".to_string()
+    } else {
+        rev.join(".")
+    };
     format!("{prefix}.{}.{name}", k.version)
 }
 
 /// The OpenAPI v3 document of one group/version.
 pub fn openapi_v3_group(reg: &Registry, group: &str, version: &str) -> Option<Value> {
-    let kinds: Vec<&KindInfo> = reg.kinds().iter().filter(|k| k.group == group && k.version == version).collect();
+    let kinds: Vec<&KindInfo> = reg
+        .kinds()
+        .iter()
+        .filter(|k| k.group == group && k.version == version)
+        .collect();
     if kinds.is_empty() {
         return None;
     }
@@ -166,35 +207,58 @@ pub fn openapi_v3_group(reg: &Registry, group: &str, version: &str) -> Option<Va
         }
         schemas.insert(key.clone(), schema);
         let r = json!({"$ref": format!("#/components/schemas/{key}")});
-        let base = if group.is_empty() { format!("/api/{version}") } else { format!("/apis/{group}/{version}") };
-        let (coll, item) = if k.namespaced() {
-            (format!("{base}/namespaces/{{namespace}}/{}", k.plural), format!("{base}/namespaces/{{namespace}}/{}/{{name}}", k.plural))
+        let base = if group.is_empty() {
+            format!("/api/{version}")
         } else {
-            (format!("{base}/{}", k.plural), format!("{base}/{}/{{name}}", k.plural))
+            format!("/apis/{group}/{version}")
+        };
+        let (coll, item) = if k.namespaced() {
+            (
+                format!("{base}/namespaces/{{namespace}}/{}", k.plural),
+                format!("{base}/namespaces/{{namespace}}/{}/{{name}}", k.plural),
+            )
+        } else {
+            (
+                format!("{base}/{}", k.plural),
+                format!("{base}/{}/{{name}}", k.plural),
+            )
         };
         let id = |verb: &str| format!("{verb}{}", k.kind);
-        paths.insert(coll.clone(), json!({
-            "get": operation(k, "list", &r, &id("list")),
-            "post": operation(k, "post", &r, &id("create")),
-            "delete": operation(k, "deletecollection", &r, &id("deleteCollection")),
-        }));
-        paths.insert(item.clone(), json!({
-            "get": operation(k, "get", &r, &id("read")),
-            "put": operation(k, "put", &r, &id("replace")),
-            "patch": operation(k, "patch", &r, &id("patch")),
-            "delete": operation(k, "delete", &r, &id("delete")),
-        }));
+        paths.insert(
+            coll.clone(),
+            json!({
+                "get": operation(k, "list", &r, &id("list")),
+                "post": operation(k, "post", &r, &id("create")),
+                "delete": operation(k, "deletecollection", &r, &id("deleteCollection")),
+            }),
+        );
+        paths.insert(
+            item.clone(),
+            json!({
+                "get": operation(k, "get", &r, &id("read")),
+                "put": operation(k, "put", &r, &id("replace")),
+                "patch": operation(k, "patch", &r, &id("patch")),
+                "delete": operation(k, "delete", &r, &id("delete")),
+            }),
+        );
         if k.has_status {
             let mut status_patch = operation(k, "patch", &r, &id("patchStatus"));
             status_patch["operationId"] = json!(id("patchStatus"));
-            paths.insert(format!("{item}/status"), json!({
-                "get": operation(k, "get", &r, &id("readStatus")),
-                "put": operation(k, "put", &r, &id("replaceStatus")),
-                "patch": status_patch,
-            }));
+            paths.insert(
+                format!("{item}/status"),
+                json!({
+                    "get": operation(k, "get", &r, &id("readStatus")),
+                    "put": operation(k, "put", &r, &id("replaceStatus")),
+                    "patch": status_patch,
+                }),
+            );
         }
     }
-    let title = if group.is_empty() { "Kubernetes core".to_string() } else { format!("sheaf {group}") };
+    let title = if group.is_empty() {
+        "Kubernetes core".to_string()
+    } else {
+        format!("sheaf {group}")
+    };
     Some(json!({
         "openapi": "3.0.0",
         "info": {"title": title, "version": format!("v1.{KUBE_MINOR}.0")},
@@ -219,16 +283,26 @@ impl OpenApiDocs {
         let mut docs = BTreeMap::new();
         let mut index = Map::new();
         for (g, v) in reg.groups() {
-            let Some(doc) = openapi_v3_group(reg, g, v) else { continue };
+            let Some(doc) = openapi_v3_group(reg, g, v) else {
+                continue;
+            };
             let bytes = serde_json::to_vec(&doc).unwrap_or_default();
             let mut h = DefaultHasher::new();
             bytes.hash(&mut h);
             let hash = format!("{:016X}", h.finish());
-            let path = if g.is_empty() { format!("api/{v}") } else { format!("apis/{g}/{v}") };
-            index.insert(path.clone(), json!({"serverRelativeURL": format!("/openapi/v3/{path}?hash={hash}")}));
+            let path = if g.is_empty() {
+                format!("api/{v}")
+            } else {
+                format!("apis/{g}/{v}")
+            };
+            index.insert(
+                path.clone(),
+                json!({"serverRelativeURL": format!("/openapi/v3/{path}?hash={hash}")}),
+            );
             docs.insert(path, (hash, bytes::Bytes::from(bytes)));
         }
-        let index = bytes::Bytes::from(serde_json::to_vec(&json!({"paths": index})).unwrap_or_default());
+        let index =
+            bytes::Bytes::from(serde_json::to_vec(&json!({"paths": index})).unwrap_or_default());
         Self { docs, index }
     }
 }
@@ -242,26 +316,54 @@ mod tests {
         let reg = Registry::default();
         let doc = openapi_v3_group(&reg, "kubevirt.io", "v1").unwrap();
         let vm = &doc["components"]["schemas"]["io.kubevirt.v1.VirtualMachine"];
-        assert_eq!(vm["x-kubernetes-group-version-kind"][0]["kind"], "VirtualMachine");
-        let patch = &doc["paths"]["/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/{name}"]["patch"];
-        assert!(patch["parameters"].as_array().unwrap().iter().any(|p| p["name"] == "fieldValidation"));
-        assert!(patch["requestBody"]["content"].get("application/strategic-merge-patch+json").is_none());
+        assert_eq!(
+            vm["x-kubernetes-group-version-kind"][0]["kind"],
+            "VirtualMachine"
+        );
+        let patch = &doc["paths"]["/apis/kubevirt.io/v1/namespaces/{namespace}/virtualmachines/{name}"]
+            ["patch"];
+        assert!(
+            patch["parameters"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p["name"] == "fieldValidation")
+        );
+        assert!(
+            patch["requestBody"]["content"]
+                .get("application/strategic-merge-patch+json")
+                .is_none()
+        );
         // References resolve inside the document.
         let text = serde_json::to_string(&doc).unwrap();
         for r in text.split("\"$ref\":\"#/components/schemas/").skip(1) {
             let name = &r[..r.find('"').unwrap()];
-            assert!(doc["components"]["schemas"].get(name).is_some(), "dangling $ref {name}");
+            assert!(
+                doc["components"]["schemas"].get(name).is_some(),
+                "dangling $ref {name}"
+            );
         }
         let ns = openapi_v3_group(&reg, "", "v1").unwrap();
-        assert!(ns["components"]["schemas"].get("io.k8s.api.core.v1.Namespace").is_some());
+        assert!(
+            ns["components"]["schemas"]
+                .get("io.k8s.api.core.v1.Namespace")
+                .is_some()
+        );
     }
 
     #[test]
     fn discovery_lists_kinds() {
         let reg = Registry::default();
         let list = resource_list(&reg, "kubevirt.io", "v1").unwrap();
-        let names: Vec<&str> = list["resources"].as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).collect();
-        assert!(names.contains(&"virtualmachines") && names.contains(&"virtualmachineinstances/status"));
+        let names: Vec<&str> = list["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["name"].as_str().unwrap())
+            .collect();
+        assert!(
+            names.contains(&"virtualmachines") && names.contains(&"virtualmachineinstances/status")
+        );
         let groups = group_list(&reg);
         assert_eq!(groups["groups"].as_array().unwrap().len(), 2);
         assert!(resource_list(&reg, "", "v1").unwrap()["resources"][0]["name"] == "namespaces");

@@ -18,7 +18,10 @@ use super::table::{self, IncludeObject, wants_table};
 use super::watch::{self, WatchParams, parse_rv};
 use super::{ApiError, ApiState, discovery};
 use crate::resources::{FieldValidation, KindInfo, decode_value};
-use crate::store::{DeleteOptions, FieldSelector, GroupKind, LabelSelector, ListOptions, Propagation, StoreError, UpdateScope, WatchOptions};
+use crate::store::{
+    DeleteOptions, FieldSelector, GroupKind, LabelSelector, ListOptions, Propagation, StoreError,
+    UpdateScope, WatchOptions,
+};
 
 /// Namespaces created at start and never deleted.
 pub const SYSTEM_NAMESPACES: &[&str] = &["default", "kube-system", "kube-public"];
@@ -27,13 +30,19 @@ type ApiResult = Result<Response, ApiError>;
 
 fn json_response(code: StatusCode, v: &Value) -> Response {
     let mut r = (code, serde_json::to_vec(v).unwrap_or_default()).into_response();
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
 fn with_warnings(mut r: Response, warnings: &[String]) -> Response {
     for w in warnings.iter().take(32) {
-        let text = format!("299 - \"unknown field \\\"{}\\\"\"", w.replace(['"', '\\'], ""));
+        let text = format!(
+            "299 - \"unknown field \\\"{}\\\"\"",
+            w.replace(['"', '\\'], "")
+        );
         if let Ok(v) = HeaderValue::from_str(&text) {
             r.headers_mut().append(header::WARNING, v);
         }
@@ -49,9 +58,13 @@ fn query_map(uri: &axum::http::Uri) -> Result<HashMap<String, String>, ApiError>
 }
 
 fn serde_urlencoded_parse(q: &str) -> Result<HashMap<String, String>, ApiError> {
-    axum::extract::Query::<HashMap<String, String>>::try_from_uri(&format!("/?{q}").parse().map_err(|_| ApiError::bad_request("invalid query string"))?)
-        .map(|axum::extract::Query(m)| m)
-        .map_err(|e| ApiError::bad_request(format!("invalid query string: {e}")))
+    axum::extract::Query::<HashMap<String, String>>::try_from_uri(
+        &format!("/?{q}")
+            .parse()
+            .map_err(|_| ApiError::bad_request("invalid query string"))?,
+    )
+    .map(|axum::extract::Query(m)| m)
+    .map_err(|e| ApiError::bad_request(format!("invalid query string: {e}")))
 }
 
 /// A resolved resource URL.
@@ -62,7 +75,12 @@ struct Target<'a> {
     status: bool,
 }
 
-fn resolve<'a>(state: &'a ApiState, group: &str, version: &str, rest: &[&str]) -> Result<Target<'a>, ApiError> {
+fn resolve<'a>(
+    state: &'a ApiState,
+    group: &str,
+    version: &str,
+    rest: &[&str],
+) -> Result<Target<'a>, ApiError> {
     let reg = &state.registry;
     let path = || format!("/{}", rest.join("/"));
     if rest.len() >= 3
@@ -76,17 +94,31 @@ fn resolve<'a>(state: &'a ApiState, group: &str, version: &str, rest: &[&str]) -
             [name, "status"] if kind.has_status => (Some(name.to_string()), true),
             _ => return Err(ApiError::no_route(&path())),
         };
-        return Ok(Target { kind, namespace: Some(rest[1].to_string()), name, status });
+        return Ok(Target {
+            kind,
+            namespace: Some(rest[1].to_string()),
+            name,
+            status,
+        });
     }
-    let Some(plural) = rest.first() else { return Err(ApiError::no_route(&path())) };
-    let kind = reg.by_plural(group, version, plural).ok_or_else(|| ApiError::no_route(&path()))?;
+    let Some(plural) = rest.first() else {
+        return Err(ApiError::no_route(&path()));
+    };
+    let kind = reg
+        .by_plural(group, version, plural)
+        .ok_or_else(|| ApiError::no_route(&path()))?;
     let (name, status) = match &rest[1..] {
         [] => (None, false),
         [name] if !kind.namespaced() => (Some(name.to_string()), false),
         [name, "status"] if !kind.namespaced() && kind.has_status => (Some(name.to_string()), true),
         _ => return Err(ApiError::no_route(&path())),
     };
-    Ok(Target { kind, namespace: None, name, status })
+    Ok(Target {
+        kind,
+        namespace: None,
+        name,
+        status,
+    })
 }
 
 /// The single entry point for everything but health checks.
@@ -114,17 +146,30 @@ async fn route(state: &ApiState, req: Request) -> ApiResult {
     let ok = |v: Value| Ok(json_response(StatusCode::OK, &v));
     let not_found = || ApiError::no_route(&path);
     match segs.as_slice() {
-        [] if get => ok(json!({"paths": ["/api", "/api/v1", "/apis", "/healthz", "/openapi/v3", "/version"]})),
+        [] if get => ok(
+            json!({"paths": ["/api", "/api/v1", "/apis", "/healthz", "/openapi/v3", "/version"]}),
+        ),
         ["version"] if get => ok(discovery::version()),
         ["api"] if get => ok(discovery::core_versions()),
         ["apis"] if get => ok(discovery::group_list(&state.registry)),
-        ["apis", g] if get => discovery::group(&state.registry, g).map(|v| json_response(StatusCode::OK, &v)).ok_or_else(not_found),
-        ["api", "v1"] if get => discovery::resource_list(&state.registry, "", "v1").map(|v| json_response(StatusCode::OK, &v)).ok_or_else(not_found),
-        ["apis", g, v] if get => discovery::resource_list(&state.registry, g, v).map(|v| json_response(StatusCode::OK, &v)).ok_or_else(not_found),
+        ["apis", g] if get => discovery::group(&state.registry, g)
+            .map(|v| json_response(StatusCode::OK, &v))
+            .ok_or_else(not_found),
+        ["api", "v1"] if get => discovery::resource_list(&state.registry, "", "v1")
+            .map(|v| json_response(StatusCode::OK, &v))
+            .ok_or_else(not_found),
+        ["apis", g, v] if get => discovery::resource_list(&state.registry, g, v)
+            .map(|v| json_response(StatusCode::OK, &v))
+            .ok_or_else(not_found),
         ["openapi", "v3"] if get => Ok(bytes_response(state.openapi.index.clone())),
         ["openapi", "v3", rest @ ..] if get => {
             let key = rest.join("/");
-            state.openapi.docs.get(&key).map(|(_, b)| bytes_response(b.clone())).ok_or_else(not_found)
+            state
+                .openapi
+                .docs
+                .get(&key)
+                .map(|(_, b)| bytes_response(b.clone()))
+                .ok_or_else(not_found)
         }
         ["api", "v1", rest @ ..] => {
             let rest: Vec<&str> = rest.to_vec();
@@ -137,7 +182,12 @@ async fn route(state: &ApiState, req: Request) -> ApiResult {
             let t = resolve(state, &g, &v, &rest)?;
             resource(state, t, req).await
         }
-        _ if !get && matches!(segs.first(), Some(&"version") | Some(&"api") | Some(&"apis") | Some(&"openapi")) => {
+        _ if !get
+            && matches!(
+                segs.first(),
+                Some(&"version") | Some(&"api") | Some(&"apis") | Some(&"openapi")
+            ) =>
+        {
             Err(ApiError::method_not_allowed(req.method().as_str(), &path))
         }
         _ => Err(not_found()),
@@ -146,25 +196,43 @@ async fn route(state: &ApiState, req: Request) -> ApiResult {
 
 fn bytes_response(b: Bytes) -> Response {
     let mut r = (StatusCode::OK, b).into_response();
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
 async fn read_body(state: &ApiState, body: Body, headers: &HeaderMap) -> Result<Bytes, ApiError> {
-    if let Some(len) = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<usize>().ok())
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
         && len > state.max_body
     {
         return Err(ApiError::too_large(state.max_body));
     }
     match Limited::new(body, state.max_body).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(ApiError::too_large(state.max_body)),
-        Err(e) => Err(ApiError::bad_request(format!("reading the request body: {e}"))),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err(ApiError::too_large(state.max_body))
+        }
+        Err(e) => Err(ApiError::bad_request(format!(
+            "reading the request body: {e}"
+        ))),
     }
 }
 
 fn content_type(headers: &HeaderMap) -> String {
-    headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("application/json").split(';').next().unwrap_or("").trim().to_string()
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/json")
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_string()
 }
 
 /// Decodes a create/update body (JSON or YAML) into a JSON object.
@@ -173,7 +241,12 @@ fn parse_object(headers: &HeaderMap, body: &[u8]) -> Result<Value, ApiError> {
     let yaml = match ct.as_str() {
         "" | "application/json" | "*/*" => false,
         "application/yaml" | "application/x-yaml" | "text/yaml" => true,
-        other => return Err(ApiError::unsupported_media(other, &["application/json", "application/yaml"])),
+        other => {
+            return Err(ApiError::unsupported_media(
+                other,
+                &["application/json", "application/yaml"],
+            ));
+        }
     };
     if body.is_empty() {
         return Err(ApiError::bad_request("the request body is empty"));
@@ -183,24 +256,35 @@ fn parse_object(headers: &HeaderMap, body: &[u8]) -> Result<Value, ApiError> {
 
 fn field_validation(q: &HashMap<String, String>) -> Result<FieldValidation, ApiError> {
     let v = q.get("fieldValidation").map(String::as_str).unwrap_or("");
-    FieldValidation::parse(v).ok_or_else(|| ApiError::bad_request(format!("fieldValidation must be Strict, Warn or Ignore, not {v:?}")))
+    FieldValidation::parse(v).ok_or_else(|| {
+        ApiError::bad_request(format!(
+            "fieldValidation must be Strict, Warn or Ignore, not {v:?}"
+        ))
+    })
 }
 
 fn dry_run(q: &HashMap<String, String>) -> Result<bool, ApiError> {
     match q.get("dryRun").map(String::as_str) {
         None | Some("") => Ok(false),
         Some("All") => Ok(true),
-        Some(o) => Err(ApiError::bad_request(format!("dryRun must be All, not {o:?}"))),
+        Some(o) => Err(ApiError::bad_request(format!(
+            "dryRun must be All, not {o:?}"
+        ))),
     }
 }
 
 fn meta_str<'a>(v: &'a Value, f: &str) -> Option<&'a str> {
-    v.get("metadata").and_then(|m| m.get(f)).and_then(Value::as_str).filter(|s| !s.is_empty())
+    v.get("metadata")
+        .and_then(|m| m.get(f))
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
 }
 
 fn set_meta(v: &mut Value, f: &str, val: Value) {
     if let Some(root) = v.as_object_mut() {
-        let m = root.entry("metadata").or_insert_with(|| Value::Object(Map::new()));
+        let m = root
+            .entry("metadata")
+            .or_insert_with(|| Value::Object(Map::new()));
         if let Some(m) = m.as_object_mut() {
             m.insert(f.into(), val);
         }
@@ -211,13 +295,17 @@ fn set_meta(v: &mut Value, f: &str, val: Value) {
 /// and the namespace against the URL.
 fn check_identity(kind: &KindInfo, ns: Option<&str>, obj: &mut Value) -> Result<(), ApiError> {
     let want_av = kind.api_version();
-    let root = obj.as_object_mut().ok_or_else(|| ApiError::bad_request("the body must be a JSON object"))?;
+    let root = obj
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad_request("the body must be a JSON object"))?;
     match root.get("apiVersion").and_then(Value::as_str) {
         None => {
             root.insert("apiVersion".into(), Value::String(want_av.clone()));
         }
         Some(av) if av != want_av => {
-            return Err(ApiError::bad_request(format!("the API version in the data ({av}) does not match the expected API version ({want_av})")));
+            return Err(ApiError::bad_request(format!(
+                "the API version in the data ({av}) does not match the expected API version ({want_av})"
+            )));
         }
         _ => {}
     }
@@ -226,14 +314,19 @@ fn check_identity(kind: &KindInfo, ns: Option<&str>, obj: &mut Value) -> Result<
             root.insert("kind".into(), Value::String(kind.kind.into()));
         }
         Some(k) if k != kind.kind => {
-            return Err(ApiError::bad_request(format!("the kind in the data ({k}) does not match the expected kind ({})", kind.kind)));
+            return Err(ApiError::bad_request(format!(
+                "the kind in the data ({k}) does not match the expected kind ({})",
+                kind.kind
+            )));
         }
         _ => {}
     }
     if let Some(ns) = ns {
         match meta_str(obj, "namespace") {
             Some(body_ns) if body_ns != ns => {
-                return Err(ApiError::bad_request(format!("the namespace of the provided object ({body_ns}) does not match the namespace sent on the request ({ns})")));
+                return Err(ApiError::bad_request(format!(
+                    "the namespace of the provided object ({body_ns}) does not match the namespace sent on the request ({ns})"
+                )));
             }
             _ => set_meta(obj, "namespace", Value::String(ns.into())),
         }
@@ -244,8 +337,13 @@ fn check_identity(kind: &KindInfo, ns: Option<&str>, obj: &mut Value) -> Result<
 async fn ensure_namespace(state: &ApiState, ns: &str) -> Result<(), ApiError> {
     let gk = GroupKind::new("", "Namespace");
     match state.store.get(&gk, "", ns).await {
-        Ok(n) if n.pointer("/metadata/deletionTimestamp").is_some_and(|d| !d.is_null()) => {
-            Err(ApiError::forbidden(format!("unable to create new content in namespace {ns} because it is being terminated")))
+        Ok(n)
+            if n.pointer("/metadata/deletionTimestamp")
+                .is_some_and(|d| !d.is_null()) =>
+        {
+            Err(ApiError::forbidden(format!(
+                "unable to create new content in namespace {ns} because it is being terminated"
+            )))
         }
         Ok(_) => Ok(()),
         Err(StoreError::NotFound { .. }) => {
@@ -260,7 +358,11 @@ async fn ensure_namespace(state: &ApiState, ns: &str) -> Result<(), ApiError> {
 }
 
 fn accept(headers: &HeaderMap) -> String {
-    headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("application/json").to_string()
+    headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("application/json")
+        .to_string()
 }
 
 fn check_accept(a: &str) -> Result<(), ApiError> {
@@ -268,7 +370,11 @@ fn check_accept(a: &str) -> Result<(), ApiError> {
         let t = m.split(';').next().unwrap_or("").trim();
         matches!(t, "application/json" | "*/*" | "application/*" | "")
     });
-    if ok { Ok(()) } else { Err(ApiError::not_acceptable(a)) }
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::not_acceptable(a))
+    }
 }
 
 async fn resource(state: &ApiState, t: Target<'_>, req: Request) -> ApiResult {
@@ -280,37 +386,77 @@ async fn resource(state: &ApiState, t: Target<'_>, req: Request) -> ApiResult {
     let acc = accept(&parts.headers);
     check_accept(&acc)?;
     let table_mode = if wants_table(&acc) {
-        Some(IncludeObject::parse(q.get("includeObject").map(String::as_str).unwrap_or("")).ok_or_else(|| ApiError::bad_request("includeObject must be None, Metadata or Object"))?)
+        Some(
+            IncludeObject::parse(q.get("includeObject").map(String::as_str).unwrap_or(""))
+                .ok_or_else(|| {
+                    ApiError::bad_request("includeObject must be None, Metadata or Object")
+                })?,
+        )
     } else {
         None
     };
     let method = parts.method.clone();
     match (&method, t.name.as_deref(), t.status) {
         (&Method::GET, None, _) => {
-            let labels = LabelSelector::parse(q.get("labelSelector").map(String::as_str).unwrap_or("")).map_err(|e| ApiError::bad_request(e.to_string()))?;
-            let fields = FieldSelector::parse(q.get("fieldSelector").map(String::as_str).unwrap_or("")).map_err(|e| ApiError::bad_request(e.to_string()))?;
+            let labels =
+                LabelSelector::parse(q.get("labelSelector").map(String::as_str).unwrap_or(""))
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            let fields =
+                FieldSelector::parse(q.get("fieldSelector").map(String::as_str).unwrap_or(""))
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?;
             if matches!(q.get("watch").map(String::as_str), Some("true") | Some("1")) {
                 let timeout = match q.get("timeoutSeconds") {
-                    Some(s) => Duration::from_secs(s.parse::<u64>().map_err(|_| ApiError::bad_request("timeoutSeconds must be a number"))?.min(86_400)),
+                    Some(s) => Duration::from_secs(
+                        s.parse::<u64>()
+                            .map_err(|_| ApiError::bad_request("timeoutSeconds must be a number"))?
+                            .min(86_400),
+                    ),
                     None => state.watch_timeout,
                 };
                 let params = WatchParams {
-                    opts: WatchOptions { resource_version: parse_rv(&q)?, labels, fields, progress: false },
-                    bookmarks: q.get("allowWatchBookmarks").is_some_and(|v| v == "true" || v == "1"),
+                    opts: WatchOptions {
+                        resource_version: parse_rv(&q)?,
+                        labels,
+                        fields,
+                        progress: false,
+                    },
+                    bookmarks: q
+                        .get("allowWatchBookmarks")
+                        .is_some_and(|v| v == "true" || v == "1"),
                     timeout,
                     table: table_mode,
                 };
                 return watch::serve(state, kind, t.namespace.as_deref(), params).await;
             }
             let limit = match q.get("limit") {
-                Some(l) => l.parse::<usize>().map_err(|_| ApiError::bad_request(format!("invalid limit {l:?}")))?,
+                Some(l) => l
+                    .parse::<usize>()
+                    .map_err(|_| ApiError::bad_request(format!("invalid limit {l:?}")))?,
                 None => 0,
             };
-            let opts = ListOptions { labels, fields, limit, continue_token: q.get("continue").filter(|c| !c.is_empty()).cloned() };
-            let list = state.store.list(&gk, t.namespace.as_deref(), &opts).await.map_err(|e| ApiError::from_store(kind, e))?;
+            let opts = ListOptions {
+                labels,
+                fields,
+                limit,
+                continue_token: q.get("continue").filter(|c| !c.is_empty()).cloned(),
+            };
+            let list = state
+                .store
+                .list(&gk, t.namespace.as_deref(), &opts)
+                .await
+                .map_err(|e| ApiError::from_store(kind, e))?;
             let rv = list.resource_version.to_string();
             if let Some(include) = table_mode {
-                return Ok(json_response(StatusCode::OK, &table::table(kind, &list.items, &rv, list.continue_token.as_deref(), include)));
+                return Ok(json_response(
+                    StatusCode::OK,
+                    &table::table(
+                        kind,
+                        &list.items,
+                        &rv,
+                        list.continue_token.as_deref(),
+                        include,
+                    ),
+                ));
             }
             let mut meta = json!({"resourceVersion": rv});
             if let Some(c) = &list.continue_token {
@@ -319,11 +465,17 @@ async fn resource(state: &ApiState, t: Target<'_>, req: Request) -> ApiResult {
             if let Some(r) = list.remaining {
                 meta["remainingItemCount"] = json!(r);
             }
-            Ok(json_response(StatusCode::OK, &json!({"apiVersion": kind.api_version(), "kind": format!("{}List", kind.kind), "metadata": meta, "items": list.items})))
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"apiVersion": kind.api_version(), "kind": format!("{}List", kind.kind), "metadata": meta, "items": list.items}),
+            ))
         }
         (&Method::POST, None, _) => {
             if kind.namespaced() && t.namespace.is_none() {
-                return Err(ApiError::method_not_allowed("POST", &format!("{} without a namespace", kind.qualified())));
+                return Err(ApiError::method_not_allowed(
+                    "POST",
+                    &format!("{} without a namespace", kind.qualified()),
+                ));
             }
             let body = read_body(state, body, &parts.headers).await?;
             let mut obj = parse_object(&parts.headers, &body)?;
@@ -331,28 +483,61 @@ async fn resource(state: &ApiState, t: Target<'_>, req: Request) -> ApiResult {
             create(state, kind, &ns_store, obj, &q).await
         }
         (&Method::DELETE, None, _) => {
-            let labels = LabelSelector::parse(q.get("labelSelector").map(String::as_str).unwrap_or("")).map_err(|e| ApiError::bad_request(e.to_string()))?;
-            let fields = FieldSelector::parse(q.get("fieldSelector").map(String::as_str).unwrap_or("")).map_err(|e| ApiError::bad_request(e.to_string()))?;
-            let list = state.store.list(&gk, t.namespace.as_deref(), &ListOptions { labels, fields, ..Default::default() }).await.map_err(|e| ApiError::from_store(kind, e))?;
+            let labels =
+                LabelSelector::parse(q.get("labelSelector").map(String::as_str).unwrap_or(""))
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            let fields =
+                FieldSelector::parse(q.get("fieldSelector").map(String::as_str).unwrap_or(""))
+                    .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            let list = state
+                .store
+                .list(
+                    &gk,
+                    t.namespace.as_deref(),
+                    &ListOptions {
+                        labels,
+                        fields,
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map_err(|e| ApiError::from_store(kind, e))?;
             let mut deleted = Vec::new();
             for o in list.items {
-                let (ons, oname) = (meta_str(&o, "namespace").unwrap_or("").to_string(), meta_str(&o, "name").unwrap_or("").to_string());
+                let (ons, oname) = (
+                    meta_str(&o, "namespace").unwrap_or("").to_string(),
+                    meta_str(&o, "name").unwrap_or("").to_string(),
+                );
                 if kind.kind == "Namespace" && SYSTEM_NAMESPACES.contains(&oname.as_str()) {
                     continue;
                 }
-                match state.store.delete(&gk, &ons, &oname, &DeleteOptions::default()).await {
+                match state
+                    .store
+                    .delete(&gk, &ons, &oname, &DeleteOptions::default())
+                    .await
+                {
                     Ok((o, _)) => deleted.push(o),
                     Err(StoreError::NotFound { .. }) => {}
                     Err(e) => return Err(ApiError::from_store(kind, e)),
                 }
             }
-            Ok(json_response(StatusCode::OK, &json!({"apiVersion": kind.api_version(), "kind": format!("{}List", kind.kind), "metadata": {"resourceVersion": state.store.resource_version().to_string()}, "items": deleted})))
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"apiVersion": kind.api_version(), "kind": format!("{}List", kind.kind), "metadata": {"resourceVersion": state.store.resource_version().to_string()}, "items": deleted}),
+            ))
         }
         (&Method::GET, Some(name), _) => {
-            let obj = state.store.get(&gk, &ns_store, name).await.map_err(|e| ApiError::from_store(kind, e))?;
+            let obj = state
+                .store
+                .get(&gk, &ns_store, name)
+                .await
+                .map_err(|e| ApiError::from_store(kind, e))?;
             if let Some(include) = table_mode {
                 let rv = meta_str(&obj, "resourceVersion").unwrap_or("").to_string();
-                return Ok(json_response(StatusCode::OK, &table::table(kind, std::slice::from_ref(&obj), &rv, None, include)));
+                return Ok(json_response(
+                    StatusCode::OK,
+                    &table::table(kind, std::slice::from_ref(&obj), &rv, None, include),
+                ));
             }
             Ok(json_response(StatusCode::OK, &obj))
         }
@@ -361,21 +546,34 @@ async fn resource(state: &ApiState, t: Target<'_>, req: Request) -> ApiResult {
             let mut obj = parse_object(&parts.headers, &body)?;
             check_identity(kind, t.namespace.as_deref(), &mut obj)?;
             match meta_str(&obj, "name") {
-                Some(n) if n != name => return Err(ApiError::bad_request(format!("the name of the object ({n}) does not match the name on the URL ({name})"))),
+                Some(n) if n != name => {
+                    return Err(ApiError::bad_request(format!(
+                        "the name of the object ({n}) does not match the name on the URL ({name})"
+                    )));
+                }
                 _ => set_meta(&mut obj, "name", Value::String(name.into())),
             }
             let scope = scope_for(kind, status);
             let mode = field_validation(&q)?;
-            let (obj, warnings) = (kind.decode)(&obj, mode).map_err(|e| ApiError::invalid(kind, name, &e))?;
+            let (obj, warnings) =
+                (kind.decode)(&obj, mode).map_err(|e| ApiError::invalid(kind, name, &e))?;
             if dry_run(&q)? {
                 return Ok(json_response(StatusCode::OK, &obj));
             }
-            let out = state.store.update(&gk, &ns_store, obj, scope).await.map_err(|e| ApiError::from_store(kind, e))?;
-            Ok(with_warnings(json_response(StatusCode::OK, &out), &warnings))
+            let out = state
+                .store
+                .update(&gk, &ns_store, obj, scope)
+                .await
+                .map_err(|e| ApiError::from_store(kind, e))?;
+            Ok(with_warnings(
+                json_response(StatusCode::OK, &out),
+                &warnings,
+            ))
         }
         (&Method::PATCH, Some(name), status) => {
             let ct = content_type(&parts.headers);
-            let pk = PatchKind::from_content_type(&ct).ok_or_else(|| ApiError::unsupported_media(&ct, PATCH_TYPES))?;
+            let pk = PatchKind::from_content_type(&ct)
+                .ok_or_else(|| ApiError::unsupported_media(&ct, PATCH_TYPES))?;
             let body = read_body(state, body, &parts.headers).await?;
             patch(state, kind, &ns_store, name, status, pk, &body, &q).await
         }
@@ -397,11 +595,22 @@ fn scope_for(kind: &KindInfo, status: bool) -> UpdateScope {
     }
 }
 
-async fn create(state: &ApiState, kind: &KindInfo, ns: &str, mut obj: Value, q: &HashMap<String, String>) -> ApiResult {
+async fn create(
+    state: &ApiState,
+    kind: &KindInfo,
+    ns: &str,
+    mut obj: Value,
+    q: &HashMap<String, String>,
+) -> ApiResult {
     let gk = GroupKind::new(kind.group, kind.kind);
-    let name = meta_str(&obj, "name").or(meta_str(&obj, "generateName")).unwrap_or("").to_string();
+    let name = meta_str(&obj, "name")
+        .or(meta_str(&obj, "generateName"))
+        .unwrap_or("")
+        .to_string();
     if meta_str(&obj, "resourceVersion").is_some() {
-        return Err(ApiError::bad_request("resourceVersion should not be set on objects to be created"));
+        return Err(ApiError::bad_request(
+            "resourceVersion should not be set on objects to be created",
+        ));
     }
     if kind.namespaced() {
         ensure_namespace(state, ns).await?;
@@ -412,16 +621,33 @@ async fn create(state: &ApiState, kind: &KindInfo, ns: &str, mut obj: Value, q: 
         root.remove("status");
     }
     let mode = field_validation(q)?;
-    let (obj, warnings) = (kind.decode)(&obj, mode).map_err(|e| ApiError::invalid(kind, &name, &e))?;
+    let (obj, warnings) =
+        (kind.decode)(&obj, mode).map_err(|e| ApiError::invalid(kind, &name, &e))?;
     if dry_run(q)? {
         return Ok(json_response(StatusCode::CREATED, &obj));
     }
-    let out = state.store.create(&gk, ns, obj).await.map_err(|e| ApiError::from_store(kind, e))?;
-    Ok(with_warnings(json_response(StatusCode::CREATED, &out), &warnings))
+    let out = state
+        .store
+        .create(&gk, ns, obj)
+        .await
+        .map_err(|e| ApiError::from_store(kind, e))?;
+    Ok(with_warnings(
+        json_response(StatusCode::CREATED, &out),
+        &warnings,
+    ))
 }
 
 #[allow(clippy::too_many_arguments)]
-async fn patch(state: &ApiState, kind: &KindInfo, ns: &str, name: &str, status: bool, pk: PatchKind, body: &[u8], q: &HashMap<String, String>) -> ApiResult {
+async fn patch(
+    state: &ApiState,
+    kind: &KindInfo,
+    ns: &str,
+    name: &str,
+    status: bool,
+    pk: PatchKind,
+    body: &[u8],
+    q: &HashMap<String, String>,
+) -> ApiResult {
     let gk = GroupKind::new(kind.group, kind.kind);
     let mode = field_validation(q)?;
     let dry = dry_run(q)?;
@@ -430,59 +656,108 @@ async fn patch(state: &ApiState, kind: &KindInfo, ns: &str, name: &str, status: 
             Ok(c) => c,
             Err(StoreError::NotFound { .. }) if pk == PatchKind::Apply && !status => {
                 // Server-side apply creates what does not exist.
-                let mut obj = decode_value(body, true).map_err(|e| ApiError::bad_request(e.to_string()))?;
-                check_identity(kind, if kind.namespaced() { Some(ns) } else { None }, &mut obj)?;
+                let mut obj =
+                    decode_value(body, true).map_err(|e| ApiError::bad_request(e.to_string()))?;
+                check_identity(
+                    kind,
+                    if kind.namespaced() { Some(ns) } else { None },
+                    &mut obj,
+                )?;
                 match meta_str(&obj, "name") {
-                    Some(n) if n != name => return Err(ApiError::bad_request(format!("the name of the object ({n}) does not match the name on the URL ({name})"))),
+                    Some(n) if n != name => {
+                        return Err(ApiError::bad_request(format!(
+                            "the name of the object ({n}) does not match the name on the URL ({name})"
+                        )));
+                    }
                     _ => set_meta(&mut obj, "name", Value::String(name.into())),
                 }
                 return create(state, kind, ns, obj, q).await;
             }
             Err(e) => return Err(ApiError::from_store(kind, e)),
         };
-        let current_rv = meta_str(&current, "resourceVersion").unwrap_or("").to_string();
+        let current_rv = meta_str(&current, "resourceVersion")
+            .unwrap_or("")
+            .to_string();
         let mut doc = current.clone();
         apply_patch(pk, &mut doc, body)?;
         if meta_str(&doc, "name") != Some(name) {
-            return Err(ApiError::bad_request("metadata.name may not be changed by a patch"));
+            return Err(ApiError::bad_request(
+                "metadata.name may not be changed by a patch",
+            ));
         }
         if kind.namespaced() && meta_str(&doc, "namespace") != Some(ns) {
-            return Err(ApiError::bad_request("metadata.namespace may not be changed by a patch"));
+            return Err(ApiError::bad_request(
+                "metadata.namespace may not be changed by a patch",
+            ));
         }
         let explicit_rv = meta_str(&doc, "resourceVersion").is_some_and(|rv| rv != current_rv);
         if !explicit_rv {
-            set_meta(&mut doc, "resourceVersion", Value::String(current_rv.clone()));
+            set_meta(
+                &mut doc,
+                "resourceVersion",
+                Value::String(current_rv.clone()),
+            );
         }
         check_identity(kind, None, &mut doc)?;
-        let (obj, warnings) = (kind.decode)(&doc, mode).map_err(|e| ApiError::invalid(kind, name, &e))?;
+        let (obj, warnings) =
+            (kind.decode)(&doc, mode).map_err(|e| ApiError::invalid(kind, name, &e))?;
         if dry {
             return Ok(json_response(StatusCode::OK, &obj));
         }
-        match state.store.update(&gk, ns, obj, scope_for(kind, status)).await {
-            Ok(out) => return Ok(with_warnings(json_response(StatusCode::OK, &out), &warnings)),
+        match state
+            .store
+            .update(&gk, ns, obj, scope_for(kind, status))
+            .await
+        {
+            Ok(out) => {
+                return Ok(with_warnings(
+                    json_response(StatusCode::OK, &out),
+                    &warnings,
+                ));
+            }
             Err(StoreError::Conflict { .. }) if !explicit_rv => continue,
             Err(e) => return Err(ApiError::from_store(kind, e)),
         }
     }
-    Err(ApiError::from_store(kind, StoreError::Conflict { kind: gk, name: name.into(), message: "too many concurrent changes; try again".into() }))
+    Err(ApiError::from_store(
+        kind,
+        StoreError::Conflict {
+            kind: gk,
+            name: name.into(),
+            message: "too many concurrent changes; try again".into(),
+        },
+    ))
 }
 
-async fn delete(state: &ApiState, kind: &KindInfo, ns: &str, name: &str, body: &[u8], q: &HashMap<String, String>) -> ApiResult {
+async fn delete(
+    state: &ApiState,
+    kind: &KindInfo,
+    ns: &str,
+    name: &str,
+    body: &[u8],
+    q: &HashMap<String, String>,
+) -> ApiResult {
     let gk = GroupKind::new(kind.group, kind.kind);
     if kind.kind == "Namespace" && kind.group.is_empty() && SYSTEM_NAMESPACES.contains(&name) {
-        return Err(ApiError::forbidden(format!("namespaces {name:?} is forbidden: this namespace may not be deleted")));
+        return Err(ApiError::forbidden(format!(
+            "namespaces {name:?} is forbidden: this namespace may not be deleted"
+        )));
     }
     let mut opts = DeleteOptions::default();
     let mut policy = q.get("propagationPolicy").cloned();
     let mut dry = dry_run(q)?;
     if !body.iter().all(u8::is_ascii_whitespace) {
-        let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))?;
+        let v: Value = serde_json::from_slice(body)
+            .map_err(|e| ApiError::bad_request(format!("invalid DeleteOptions: {e}")))?;
         if let Some(p) = v.get("propagationPolicy").and_then(Value::as_str) {
             policy = Some(p.to_string());
         }
         if let Some(pre) = v.get("preconditions") {
             opts.uid = pre.get("uid").and_then(Value::as_str).map(str::to_string);
-            opts.resource_version = pre.get("resourceVersion").and_then(Value::as_str).map(str::to_string);
+            opts.resource_version = pre
+                .get("resourceVersion")
+                .and_then(Value::as_str)
+                .map(str::to_string);
         }
         if let Some(d) = v.get("dryRun").and_then(Value::as_array) {
             dry |= d.iter().any(|x| x == "All");
@@ -496,20 +771,45 @@ async fn delete(state: &ApiState, kind: &KindInfo, ns: &str, name: &str, body: &
         None | Some("") | Some("Background") => Propagation::Background,
         Some("Foreground") => Propagation::Foreground,
         Some("Orphan") => Propagation::Orphan,
-        Some(o) => return Err(ApiError::bad_request(format!("propagationPolicy must be Background, Foreground or Orphan, not {o:?}"))),
+        Some(o) => {
+            return Err(ApiError::bad_request(format!(
+                "propagationPolicy must be Background, Foreground or Orphan, not {o:?}"
+            )));
+        }
     };
     if dry {
-        let obj = state.store.get(&gk, ns, name).await.map_err(|e| ApiError::from_store(kind, e))?;
+        let obj = state
+            .store
+            .get(&gk, ns, name)
+            .await
+            .map_err(|e| ApiError::from_store(kind, e))?;
         return Ok(json_response(StatusCode::OK, &obj));
     }
-    let (obj, removed) = state.store.delete(&gk, ns, name, &opts).await.map_err(|e| ApiError::from_store(kind, e))?;
-    Ok(json_response(if removed { StatusCode::OK } else { StatusCode::ACCEPTED }, &obj))
+    let (obj, removed) = state
+        .store
+        .delete(&gk, ns, name, &opts)
+        .await
+        .map_err(|e| ApiError::from_store(kind, e))?;
+    Ok(json_response(
+        if removed {
+            StatusCode::OK
+        } else {
+            StatusCode::ACCEPTED
+        },
+        &obj,
+    ))
 }
 
 /// Decodes and validates a request body the way a create does (content type,
 /// JSON/YAML, identity, schema, field validation). Exposed for fuzzing and
 /// for embedders that accept manifests through other channels.
-pub fn decode_request(kind: &KindInfo, namespace: Option<&str>, content_type: &str, body: &[u8], mode: FieldValidation) -> Result<(Value, Vec<String>), ApiError> {
+pub fn decode_request(
+    kind: &KindInfo,
+    namespace: Option<&str>,
+    content_type: &str,
+    body: &[u8],
+    mode: FieldValidation,
+) -> Result<(Value, Vec<String>), ApiError> {
     let mut headers = HeaderMap::new();
     if let Ok(v) = HeaderValue::from_str(content_type) {
         headers.insert(header::CONTENT_TYPE, v);
@@ -522,13 +822,21 @@ pub fn decode_request(kind: &KindInfo, namespace: Option<&str>, content_type: &s
 
 /// Applies a PATCH body of `content_type` to `current` and validates the
 /// result, as the PATCH verb does (without storing). For fuzzing and embedders.
-pub fn patch_and_validate(kind: &KindInfo, current: &Value, content_type: &str, body: &[u8]) -> Result<Value, ApiError> {
-    let pk = PatchKind::from_content_type(content_type).ok_or_else(|| ApiError::unsupported_media(content_type, PATCH_TYPES))?;
+pub fn patch_and_validate(
+    kind: &KindInfo,
+    current: &Value,
+    content_type: &str,
+    body: &[u8],
+) -> Result<Value, ApiError> {
+    let pk = PatchKind::from_content_type(content_type)
+        .ok_or_else(|| ApiError::unsupported_media(content_type, PATCH_TYPES))?;
     let mut doc = current.clone();
     apply_patch(pk, &mut doc, body)?;
     check_identity(kind, None, &mut doc)?;
     let name = meta_str(&doc, "name").unwrap_or("").to_string();
-    (kind.decode)(&doc, FieldValidation::Strict).map(|(v, _)| v).map_err(|e| ApiError::invalid(kind, &name, &e))
+    (kind.decode)(&doc, FieldValidation::Strict)
+        .map(|(v, _)| v)
+        .map_err(|e| ApiError::invalid(kind, &name, &e))
 }
 
 #[cfg(test)]
@@ -577,7 +885,15 @@ mod tests {
                 }
             }
             for kind in reg.kinds() {
-                if decode_request(kind, Some("default"), "application/yaml", &body, FieldValidation::Strict).is_ok() {
+                if decode_request(
+                    kind,
+                    Some("default"),
+                    "application/yaml",
+                    &body,
+                    FieldValidation::Strict,
+                )
+                .is_ok()
+                {
                     accepted += 1;
                 }
             }
@@ -588,13 +904,49 @@ mod tests {
     #[test]
     fn patches_are_validated() {
         let reg = Registry::default();
-        let kind = reg.by_plural("kubevirt.io", "v1", "virtualmachines").unwrap();
-        let body = include_str!("../../tests/manifests/vm-cirros.yaml").split("\n---").nth(2).unwrap();
-        let (vm, _) = decode_request(kind, Some("default"), "application/yaml", body.as_bytes(), FieldValidation::Strict).unwrap();
-        assert!(patch_and_validate(kind, &vm, "application/merge-patch+json", br#"{"spec":{"running":true}}"#).is_ok());
-        let e = patch_and_validate(kind, &vm, "application/merge-patch+json", br#"{"spec":{"runStrategy":"Sometimes"}}"#).unwrap_err();
+        let kind = reg
+            .by_plural("kubevirt.io", "v1", "virtualmachines")
+            .unwrap();
+        let body = include_str!("../../tests/manifests/vm-cirros.yaml")
+            .split("\n---")
+            .nth(2)
+            .unwrap();
+        let (vm, _) = decode_request(
+            kind,
+            Some("default"),
+            "application/yaml",
+            body.as_bytes(),
+            FieldValidation::Strict,
+        )
+        .unwrap();
+        assert!(
+            patch_and_validate(
+                kind,
+                &vm,
+                "application/merge-patch+json",
+                br#"{"spec":{"running":true}}"#
+            )
+            .is_ok()
+        );
+        let e = patch_and_validate(
+            kind,
+            &vm,
+            "application/merge-patch+json",
+            br#"{"spec":{"runStrategy":"Sometimes"}}"#,
+        )
+        .unwrap_err();
         assert_eq!(e.code, 422);
         assert!(e.message.contains("spec.runStrategy"), "{}", e.message);
-        assert_eq!(patch_and_validate(kind, &vm, "application/json-patch+json", b"[{\"op\":\"remove\",\"path\":\"/nope\"}]").unwrap_err().code, 422);
+        assert_eq!(
+            patch_and_validate(
+                kind,
+                &vm,
+                "application/json-patch+json",
+                b"[{\"op\":\"remove\",\"path\":\"/nope\"}]"
+            )
+            .unwrap_err()
+            .code,
+            422
+        );
     }
 }

@@ -149,7 +149,10 @@ pub fn router(state: ApiState) -> Router {
         .route("/livez", get(|| async { "ok" }))
         .route("/readyz", get(|| async { "ok" }))
         .fallback(handlers::dispatch)
-        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::authenticate))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::authenticate,
+        ))
         .with_state(state)
 }
 
@@ -198,14 +201,37 @@ impl RunningApiServer {
 impl ApiServer {
     /// Prepares TLS, tokens, the kubeconfig and the system namespaces, then
     /// serves `store` on `config.listen` until [`RunningApiServer::shutdown`].
-    pub async fn start(config: ApiServerConfig, store: Arc<dyn Store>) -> Result<RunningApiServer, ApiServerError> {
+    pub async fn start(
+        config: ApiServerConfig,
+        store: Arc<dyn Store>,
+    ) -> Result<RunningApiServer, ApiServerError> {
         let dir = config.data_dir.clone();
-        std::fs::create_dir_all(&dir).map_err(|source| ApiServerError::DataDir { path: dir.clone(), source })?;
+        std::fs::create_dir_all(&dir).map_err(|source| ApiServerError::DataDir {
+            path: dir.clone(),
+            source,
+        })?;
         let tls = TlsMaterial::load_or_create(&dir, &config.extra_sans)?;
         let tokens = Tokens::load_or_create(&dir)?;
-        let listener = TcpListener::bind(config.listen).await.map_err(|source| ApiServerError::Bind { addr: config.listen, source })?;
-        let addr = listener.local_addr().map_err(|source| ApiServerError::Bind { addr: config.listen, source })?;
-        let host = if addr.ip().is_unspecified() { "127.0.0.1".to_string() } else if addr.is_ipv6() { format!("[{}]", addr.ip()) } else { addr.ip().to_string() };
+        let listener =
+            TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| ApiServerError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| ApiServerError::Bind {
+                addr: config.listen,
+                source,
+            })?;
+        let host = if addr.ip().is_unspecified() {
+            "127.0.0.1".to_string()
+        } else if addr.is_ipv6() {
+            format!("[{}]", addr.ip())
+        } else {
+            addr.ip().to_string()
+        };
         let url = format!("https://{host}:{}", addr.port());
         let kubeconfig = tls::write_kubeconfig(&dir, &url, &tls.ca_pem, &tokens)?;
         ensure_system_namespaces(store.as_ref()).await?;
@@ -250,7 +276,15 @@ impl ApiServer {
             conns.shutdown().await;
         });
         tracing::info!(%url, kubeconfig = %kubeconfig.display(), "API server listening");
-        Ok(RunningApiServer { addr, url, kubeconfig, tokens, ca_pem: tls.ca_pem, stop, task })
+        Ok(RunningApiServer {
+            addr,
+            url,
+            kubeconfig,
+            tokens,
+            ca_pem: tls.ca_pem,
+            stop,
+            task,
+        })
     }
 }
 

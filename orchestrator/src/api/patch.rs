@@ -22,8 +22,12 @@ pub enum PatchKind {
 }
 
 /// The media types listed in 415 errors.
-pub const PATCH_TYPES: &[&str] =
-    &["application/merge-patch+json", "application/json-patch+json", "application/strategic-merge-patch+json", "application/apply-patch+yaml"];
+pub const PATCH_TYPES: &[&str] = &[
+    "application/merge-patch+json",
+    "application/json-patch+json",
+    "application/strategic-merge-patch+json",
+    "application/apply-patch+yaml",
+];
 
 impl PatchKind {
     /// From a `Content-Type` value (parameters ignored).
@@ -42,16 +46,20 @@ impl PatchKind {
 pub fn apply_patch(kind: PatchKind, doc: &mut Value, body: &[u8]) -> Result<(), ApiError> {
     match kind {
         PatchKind::Merge | PatchKind::StrategicMerge | PatchKind::Apply => {
-            let patch = decode_value(body, kind == PatchKind::Apply).map_err(|e| ApiError::bad_request(e.to_string()))?;
+            let patch = decode_value(body, kind == PatchKind::Apply)
+                .map_err(|e| ApiError::bad_request(e.to_string()))?;
             json_patch::merge(doc, &patch);
             Ok(())
         }
         PatchKind::Json => {
-            let ops: json_patch::Patch = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("invalid JSON patch: {e}")))?;
+            let ops: json_patch::Patch = serde_json::from_slice(body)
+                .map_err(|e| ApiError::bad_request(format!("invalid JSON patch: {e}")))?;
             json_patch::patch(doc, &ops).map_err(|e| ApiError {
                 code: 422,
                 reason: "Invalid",
-                message: format!("the server rejected our request due to an error in our request: {e}"),
+                message: format!(
+                    "the server rejected our request due to an error in our request: {e}"
+                ),
                 details: None,
             })
         }
@@ -67,13 +75,33 @@ mod tests {
     #[test]
     fn merge_and_json_patches() {
         let mut d = json!({"spec": {"running": false, "a": 1}});
-        apply_patch(PatchKind::Merge, &mut d, br#"{"spec": {"running": true, "a": null}}"#).unwrap();
+        apply_patch(
+            PatchKind::Merge,
+            &mut d,
+            br#"{"spec": {"running": true, "a": null}}"#,
+        )
+        .unwrap();
         assert_eq!(d, json!({"spec": {"running": true}}));
-        apply_patch(PatchKind::Json, &mut d, br#"[{"op": "replace", "path": "/spec/running", "value": false}]"#).unwrap();
+        apply_patch(
+            PatchKind::Json,
+            &mut d,
+            br#"[{"op": "replace", "path": "/spec/running", "value": false}]"#,
+        )
+        .unwrap();
         assert_eq!(d["spec"]["running"], false);
-        let err = apply_patch(PatchKind::Json, &mut d, br#"[{"op": "test", "path": "/spec/running", "value": true}]"#).unwrap_err();
+        let err = apply_patch(
+            PatchKind::Json,
+            &mut d,
+            br#"[{"op": "test", "path": "/spec/running", "value": true}]"#,
+        )
+        .unwrap_err();
         assert_eq!(err.code, 422);
-        assert_eq!(apply_patch(PatchKind::Json, &mut d, b"{nope").unwrap_err().code, 400);
+        assert_eq!(
+            apply_patch(PatchKind::Json, &mut d, b"{nope")
+                .unwrap_err()
+                .code,
+            400
+        );
         apply_patch(PatchKind::Apply, &mut d, b"spec:\n  x: 1\n").unwrap();
         assert_eq!(d["spec"]["x"], 1);
     }

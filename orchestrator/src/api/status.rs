@@ -24,7 +24,12 @@ pub struct ApiError {
 
 impl ApiError {
     fn new(code: u16, reason: &'static str, message: impl Into<String>) -> Self {
-        Self { code, reason, message: message.into(), details: None }
+        Self {
+            code,
+            reason,
+            message: message.into(),
+            details: None,
+        }
     }
     fn with_details(mut self, details: Value) -> Self {
         self.details = Some(details);
@@ -44,20 +49,36 @@ impl ApiError {
     }
     /// 404 NotFound for an object.
     pub fn not_found(kind: &KindInfo, name: &str) -> Self {
-        Self::new(404, "NotFound", format!("{} {name:?} not found", kind.qualified()))
-            .with_details(json!({"name": name, "group": kind.group, "kind": kind.plural}))
+        Self::new(
+            404,
+            "NotFound",
+            format!("{} {name:?} not found", kind.qualified()),
+        )
+        .with_details(json!({"name": name, "group": kind.group, "kind": kind.plural}))
     }
     /// 404 NotFound for a path that serves nothing.
     pub fn no_route(path: &str) -> Self {
-        Self::new(404, "NotFound", format!("the server could not find the requested resource ({path})"))
+        Self::new(
+            404,
+            "NotFound",
+            format!("the server could not find the requested resource ({path})"),
+        )
     }
     /// 405 MethodNotAllowed.
     pub fn method_not_allowed(method: &str, what: &str) -> Self {
-        Self::new(405, "MethodNotAllowed", format!("{method} is not supported on {what}"))
+        Self::new(
+            405,
+            "MethodNotAllowed",
+            format!("{method} is not supported on {what}"),
+        )
     }
     /// 406 NotAcceptable.
     pub fn not_acceptable(accept: &str) -> Self {
-        Self::new(406, "NotAcceptable", format!("only application/json is served, not {accept:?}"))
+        Self::new(
+            406,
+            "NotAcceptable",
+            format!("only application/json is served, not {accept:?}"),
+        )
     }
     /// 410 Expired (too old resource version).
     pub fn gone(message: impl Into<String>) -> Self {
@@ -65,11 +86,22 @@ impl ApiError {
     }
     /// 413 RequestEntityTooLarge.
     pub fn too_large(limit: usize) -> Self {
-        Self::new(413, "RequestEntityTooLarge", format!("the request body is larger than the limit of {limit} bytes"))
+        Self::new(
+            413,
+            "RequestEntityTooLarge",
+            format!("the request body is larger than the limit of {limit} bytes"),
+        )
     }
     /// 415 UnsupportedMediaType.
     pub fn unsupported_media(ct: &str, allowed: &[&str]) -> Self {
-        Self::new(415, "UnsupportedMediaType", format!("the body of the request was in an unknown format ({ct:?}); accepted media types include: {}", allowed.join(", ")))
+        Self::new(
+            415,
+            "UnsupportedMediaType",
+            format!(
+                "the body of the request was in an unknown format ({ct:?}); accepted media types include: {}",
+                allowed.join(", ")
+            ),
+        )
     }
     /// 500 InternalError.
     pub fn internal(message: impl Into<String>) -> Self {
@@ -79,14 +111,28 @@ impl ApiError {
     /// 422 Invalid (or 400 for strict-decoding errors), with `details.causes`.
     pub fn invalid(kind: &KindInfo, name: &str, err: &ValidationError) -> Self {
         let causes: Vec<Value> = err.field_errors().iter().map(cause).collect();
-        let details = json!({"name": name, "group": kind.group, "kind": kind.kind, "causes": causes});
+        let details =
+            json!({"name": name, "group": kind.group, "kind": kind.kind, "causes": causes});
         match err {
             ValidationError::Malformed(m) => Self::bad_request(m.clone()),
-            ValidationError::UnknownFields(_) => Self::bad_request(format!("{} in version {:?} cannot be handled as a {}: {err}", kind.kind, kind.version, kind.kind)).with_details(details),
+            ValidationError::UnknownFields(_) => Self::bad_request(format!(
+                "{} in version {:?} cannot be handled as a {}: {err}",
+                kind.kind, kind.version, kind.kind
+            ))
+            .with_details(details),
             ValidationError::Invalid(errs) => {
                 let list: Vec<String> = errs.iter().map(ToString::to_string).collect();
-                let joined = if list.len() == 1 { list[0].clone() } else { format!("[{}]", list.join(", ")) };
-                Self::new(422, "Invalid", format!("{} {name:?} is invalid: {joined}", kind.kind_qualified())).with_details(details)
+                let joined = if list.len() == 1 {
+                    list[0].clone()
+                } else {
+                    format!("[{}]", list.join(", "))
+                };
+                Self::new(
+                    422,
+                    "Invalid",
+                    format!("{} {name:?} is invalid: {joined}", kind.kind_qualified()),
+                )
+                .with_details(details)
             }
         }
     }
@@ -95,12 +141,27 @@ impl ApiError {
     pub fn from_store(kind: &KindInfo, e: StoreError) -> Self {
         match e {
             StoreError::NotFound { name, .. } => Self::not_found(kind, &name),
-            StoreError::AlreadyExists { name, .. } => Self::new(409, "AlreadyExists", format!("{} {name:?} already exists", kind.qualified()))
-                .with_details(json!({"name": name, "group": kind.group, "kind": kind.plural})),
-            StoreError::Conflict { name, message, .. } => Self::new(409, "Conflict", format!("Operation cannot be fulfilled on {} {name:?}: {message}", kind.qualified()))
-                .with_details(json!({"name": name, "group": kind.group, "kind": kind.plural})),
-            StoreError::Invalid { name, message, .. } => Self::new(422, "Invalid", format!("{} {name:?} is invalid: {message}", kind.kind_qualified()))
-                .with_details(json!({"name": name, "group": kind.group, "kind": kind.kind})),
+            StoreError::AlreadyExists { name, .. } => Self::new(
+                409,
+                "AlreadyExists",
+                format!("{} {name:?} already exists", kind.qualified()),
+            )
+            .with_details(json!({"name": name, "group": kind.group, "kind": kind.plural})),
+            StoreError::Conflict { name, message, .. } => Self::new(
+                409,
+                "Conflict",
+                format!(
+                    "Operation cannot be fulfilled on {} {name:?}: {message}",
+                    kind.qualified()
+                ),
+            )
+            .with_details(json!({"name": name, "group": kind.group, "kind": kind.plural})),
+            StoreError::Invalid { name, message, .. } => Self::new(
+                422,
+                "Invalid",
+                format!("{} {name:?} is invalid: {message}", kind.kind_qualified()),
+            )
+            .with_details(json!({"name": name, "group": kind.group, "kind": kind.kind})),
             StoreError::Gone { .. } => Self::gone(e.to_string()),
             StoreError::BadRequest(m) => Self::bad_request(m),
             StoreError::Backend(m) => {
@@ -145,9 +206,15 @@ impl IntoResponse for ApiError {
         let code = StatusCode::from_u16(self.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let body = serde_json::to_vec(&self.to_status()).unwrap_or_default();
         let mut r = (code, body).into_response();
-        r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
         if self.code == 401 {
-            r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"sheaf\""));
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"sheaf\""),
+            );
         }
         r
     }

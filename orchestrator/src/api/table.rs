@@ -32,11 +32,16 @@ impl IncludeObject {
 
 /// Whether an `Accept` header asks for a Table.
 pub fn wants_table(accept: &str) -> bool {
-    accept.split(',').next().is_some_and(|first| first.contains("as=Table"))
+    accept
+        .split(',')
+        .next()
+        .is_some_and(|first| first.contains("as=Table"))
 }
 
 fn column_defs(kind: &KindInfo) -> Vec<Value> {
-    let mut cols = vec![json!({"name": "Name", "type": "string", "format": "name", "description": "Name must be unique within a namespace.", "priority": 0})];
+    let mut cols = vec![
+        json!({"name": "Name", "type": "string", "format": "name", "description": "Name must be unique within a namespace.", "priority": 0}),
+    ];
     for c in (kind.columns)() {
         let t = if c.type_ == "date" { "string" } else { c.type_ };
         cols.push(json!({"name": c.name, "type": t, "format": "", "description": c.description, "priority": c.priority}));
@@ -46,7 +51,11 @@ fn column_defs(kind: &KindInfo) -> Vec<Value> {
 
 /// One table row for an object.
 pub fn row(kind: &KindInfo, obj: &Value, include: IncludeObject) -> Value {
-    let mut cells = vec![obj.pointer("/metadata/name").cloned().unwrap_or(Value::String(String::new()))];
+    let mut cells = vec![
+        obj.pointer("/metadata/name")
+            .cloned()
+            .unwrap_or(Value::String(String::new())),
+    ];
     cells.extend((kind.row)(obj));
     let object = match include {
         IncludeObject::None => Value::Null,
@@ -65,7 +74,13 @@ pub fn row(kind: &KindInfo, obj: &Value, include: IncludeObject) -> Value {
 }
 
 /// A Table of objects.
-pub fn table(kind: &KindInfo, objs: &[Value], resource_version: &str, continue_token: Option<&str>, include: IncludeObject) -> Value {
+pub fn table(
+    kind: &KindInfo,
+    objs: &[Value],
+    resource_version: &str,
+    continue_token: Option<&str>,
+    include: IncludeObject,
+) -> Value {
     let mut meta = json!({"resourceVersion": resource_version});
     if let Some(c) = continue_token {
         meta["continue"] = json!(c);

@@ -15,7 +15,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use base64::Engine;
-use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde::{Deserialize, Serialize};
@@ -56,13 +59,22 @@ impl From<TlsSetupError> for ApiError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsSetupError + '_ {
-    move |source| TlsSetupError::Io { path: path.to_path_buf(), source }
+    move |source| TlsSetupError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Writes a file readable by the owner only.
 pub fn write_private(path: &Path, data: &[u8]) -> Result<(), TlsSetupError> {
     let tmp = path.with_extension("tmp");
-    let mut f = fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp).map_err(io_err(&tmp))?;
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io_err(&tmp))?;
     f.write_all(data).map_err(io_err(&tmp))?;
     f.sync_all().map_err(io_err(&tmp))?;
     fs::set_permissions(&tmp, fs::Permissions::from_mode(0o600)).map_err(io_err(&tmp))?;
@@ -85,17 +97,31 @@ impl TlsMaterial {
     /// for `sans` (plus `localhost`, `127.0.0.1`, `::1`) at first start.
     pub fn load_or_create(dir: &Path, sans: &[String]) -> Result<Self, TlsSetupError> {
         let pki = dir.join("pki");
-        let (ca, cert, key) = (pki.join("ca.crt"), pki.join("server.crt"), pki.join("server.key"));
+        let (ca, cert, key) = (
+            pki.join("ca.crt"),
+            pki.join("server.crt"),
+            pki.join("server.key"),
+        );
         if ca.exists() && cert.exists() && key.exists() {
             let read = |p: &Path| fs::read_to_string(p).map_err(io_err(p));
-            return Ok(Self { ca_pem: read(&ca)?, cert_pem: read(&cert)?, key_pem: read(&key)? });
+            return Ok(Self {
+                ca_pem: read(&ca)?,
+                cert_pem: read(&cert)?,
+                key_pem: read(&key)?,
+            });
         }
         fs::create_dir_all(&pki).map_err(io_err(&pki))?;
         let ca_key = KeyPair::generate()?;
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(DnType::CommonName, "sheaf-ca");
-        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "sheaf-ca");
+        ca_params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
         let ca_cert = ca_params.self_signed(&ca_key)?;
         let issuer = Issuer::new(ca_params, ca_key);
 
@@ -107,12 +133,21 @@ impl TlsMaterial {
         }
         let server_key = KeyPair::generate()?;
         let mut params = CertificateParams::new(names)?;
-        params.distinguished_name.push(DnType::CommonName, "sheaf-apiserver");
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "sheaf-apiserver");
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+        params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
         let server_cert = params.signed_by(&server_key, &issuer)?;
 
-        let me = Self { ca_pem: ca_cert.pem(), cert_pem: server_cert.pem(), key_pem: server_key.serialize_pem() };
+        let me = Self {
+            ca_pem: ca_cert.pem(),
+            cert_pem: server_cert.pem(),
+            key_pem: server_key.serialize_pem(),
+        };
         write_private(&pki.join("ca.key"), issuer.key().serialize_pem().as_bytes())?;
         write_private(&key, me.key_pem.as_bytes())?;
         fs::write(&cert, &me.cert_pem).map_err(io_err(&cert))?;
@@ -123,16 +158,20 @@ impl TlsMaterial {
 
     /// A rustls server configuration offering HTTP/2 and HTTP/1.1.
     pub fn server_config(&self) -> Result<Arc<rustls::ServerConfig>, TlsSetupError> {
-        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(self.cert_pem.as_bytes())
-            .collect::<Result<_, _>>()
-            .map_err(|e| TlsSetupError::Rustls(format!("server certificate: {e}")))?;
-        let key = PrivateKeyDer::from_pem_slice(self.key_pem.as_bytes()).map_err(|e| TlsSetupError::Rustls(format!("server key: {e}")))?;
-        let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| TlsSetupError::Rustls(e.to_string()))?
-            .with_no_client_auth()
-            .with_single_cert(certs, key)
-            .map_err(|e| TlsSetupError::Rustls(e.to_string()))?;
+        let certs: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(self.cert_pem.as_bytes())
+                .collect::<Result<_, _>>()
+                .map_err(|e| TlsSetupError::Rustls(format!("server certificate: {e}")))?;
+        let key = PrivateKeyDer::from_pem_slice(self.key_pem.as_bytes())
+            .map_err(|e| TlsSetupError::Rustls(format!("server key: {e}")))?;
+        let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsSetupError::Rustls(e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| TlsSetupError::Rustls(e.to_string()))?;
         cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         Ok(Arc::new(cfg))
     }
@@ -165,10 +204,19 @@ impl Tokens {
         let path = dir.join("tokens.json");
         if path.exists() {
             let text = fs::read_to_string(&path).map_err(io_err(&path))?;
-            return serde_json::from_str(&text).map_err(|e| TlsSetupError::Parse { path, message: e.to_string() });
+            return serde_json::from_str(&text).map_err(|e| TlsSetupError::Parse {
+                path,
+                message: e.to_string(),
+            });
         }
-        let t = Self { admin: random_token(), readonly: random_token() };
-        let text = serde_json::to_vec_pretty(&t).map_err(|e| TlsSetupError::Parse { path: path.clone(), message: e.to_string() })?;
+        let t = Self {
+            admin: random_token(),
+            readonly: random_token(),
+        };
+        let text = serde_json::to_vec_pretty(&t).map_err(|e| TlsSetupError::Parse {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
         write_private(&path, &text)?;
         Ok(t)
     }
@@ -176,7 +224,12 @@ impl Tokens {
 
 /// Writes `<dir>/admin.kubeconfig` with contexts `sheaf` (admin, current) and
 /// `sheaf-readonly`, pointing at `server` (e.g. `https://127.0.0.1:6443`).
-pub fn write_kubeconfig(dir: &Path, server: &str, ca_pem: &str, tokens: &Tokens) -> Result<PathBuf, TlsSetupError> {
+pub fn write_kubeconfig(
+    dir: &Path,
+    server: &str,
+    ca_pem: &str,
+    tokens: &Tokens,
+) -> Result<PathBuf, TlsSetupError> {
     let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem.as_bytes());
     let cfg = serde_json::json!({
         "apiVersion": "v1",
@@ -193,7 +246,10 @@ pub fn write_kubeconfig(dir: &Path, server: &str, ca_pem: &str, tokens: &Tokens)
         "current-context": "sheaf",
         "preferences": {},
     });
-    let text = serde_yaml::to_string(&cfg).map_err(|e| TlsSetupError::Parse { path: dir.into(), message: e.to_string() })?;
+    let text = serde_yaml::to_string(&cfg).map_err(|e| TlsSetupError::Parse {
+        path: dir.into(),
+        message: e.to_string(),
+    })?;
     let path = dir.join("admin.kubeconfig");
     write_private(&path, text.as_bytes())?;
     Ok(path)

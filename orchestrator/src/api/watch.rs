@@ -40,7 +40,10 @@ pub struct WatchParams {
 pub fn parse_rv(q: &HashMap<String, String>) -> Result<Option<u64>, ApiError> {
     match q.get("resourceVersion").map(String::as_str) {
         None | Some("") | Some("0") => Ok(None),
-        Some(s) => s.parse::<u64>().map(Some).map_err(|_| ApiError::bad_request(format!("invalid resourceVersion {s:?}"))),
+        Some(s) => s
+            .parse::<u64>()
+            .map(Some)
+            .map_err(|_| ApiError::bad_request(format!("invalid resourceVersion {s:?}"))),
     }
 }
 
@@ -57,8 +60,14 @@ fn error_event(e: &ApiError) -> Bytes {
 fn response(body: Body) -> Response {
     let mut r = Response::new(body);
     *r.status_mut() = StatusCode::OK;
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache, private"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r.headers_mut().insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("no-cache, private"),
+    );
     r
 }
 
@@ -77,7 +86,9 @@ struct Pump {
 impl Pump {
     fn render(&self, type_: EventType, object: Value) -> Bytes {
         let object = match self.table {
-            Some(include) => table::table(&self.kind, std::slice::from_ref(&object), "", None, include),
+            Some(include) => {
+                table::table(&self.kind, std::slice::from_ref(&object), "", None, include)
+            }
             None => object,
         };
         line(&json!({"type": type_.as_str(), "object": object}))
@@ -125,7 +136,12 @@ impl Pump {
 }
 
 /// Serves a watch.
-pub async fn serve(state: &ApiState, kind: &KindInfo, ns: Option<&str>, params: WatchParams) -> Result<Response, ApiError> {
+pub async fn serve(
+    state: &ApiState,
+    kind: &KindInfo,
+    ns: Option<&str>,
+    params: WatchParams,
+) -> Result<Response, ApiError> {
     let gk = GroupKind::new(kind.group, kind.kind);
     let mut opts = params.opts.clone();
     opts.progress = params.bookmarks;
@@ -153,6 +169,10 @@ pub async fn serve(state: &ApiState, kind: &KindInfo, ns: Option<&str>, params: 
         sent_bookmark: start,
         done: false,
     };
-    let stream = futures::stream::unfold(pump, |mut p| async move { p.next_chunk().await.map(|c| (Ok::<_, std::convert::Infallible>(c), p)) });
+    let stream = futures::stream::unfold(pump, |mut p| async move {
+        p.next_chunk()
+            .await
+            .map(|c| (Ok::<_, std::convert::Infallible>(c), p))
+    });
     Ok(response(Body::from_stream(stream)))
 }

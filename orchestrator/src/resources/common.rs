@@ -94,7 +94,11 @@ pub fn human_duration(secs: i64) -> String {
     } else if secs < 48 * 3600 {
         let h = secs / 3600;
         let m = (secs % 3600) / 60;
-        if h < 8 && m > 0 { format!("{h}h{m}m") } else { format!("{h}h") }
+        if h < 8 && m > 0 {
+            format!("{h}h{m}m")
+        } else {
+            format!("{h}h")
+        }
     } else if secs < 365 * 86400 * 2 {
         format!("{}d", secs / 86400)
     } else {

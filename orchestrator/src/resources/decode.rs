@@ -87,10 +87,19 @@ pub struct FieldError {
 impl FieldError {
     /// A missing required field.
     pub fn required(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self { field: field.into(), kind: FieldErrorKind::Required, value: None, detail: detail.into() }
+        Self {
+            field: field.into(),
+            kind: FieldErrorKind::Required,
+            value: None,
+            detail: detail.into(),
+        }
     }
     /// An invalid value.
-    pub fn invalid(field: impl Into<String>, value: impl fmt::Display, detail: impl Into<String>) -> Self {
+    pub fn invalid(
+        field: impl Into<String>,
+        value: impl fmt::Display,
+        detail: impl Into<String>,
+    ) -> Self {
         Self {
             field: field.into(),
             kind: FieldErrorKind::Invalid,
@@ -99,7 +108,11 @@ impl FieldError {
         }
     }
     /// A value outside the supported set.
-    pub fn not_supported(field: impl Into<String>, value: impl fmt::Display, supported: &[&str]) -> Self {
+    pub fn not_supported(
+        field: impl Into<String>,
+        value: impl fmt::Display,
+        supported: &[&str],
+    ) -> Self {
         Self {
             field: field.into(),
             kind: FieldErrorKind::NotSupported(supported.iter().map(|s| s.to_string()).collect()),
@@ -109,11 +122,21 @@ impl FieldError {
     }
     /// A duplicated value.
     pub fn duplicate(field: impl Into<String>, value: impl fmt::Display) -> Self {
-        Self { field: field.into(), kind: FieldErrorKind::Duplicate, value: Some(value.to_string()), detail: String::new() }
+        Self {
+            field: field.into(),
+            kind: FieldErrorKind::Duplicate,
+            value: Some(value.to_string()),
+            detail: String::new(),
+        }
     }
     /// A field that may not be set.
     pub fn forbidden(field: impl Into<String>, detail: impl Into<String>) -> Self {
-        Self { field: field.into(), kind: FieldErrorKind::Forbidden, value: None, detail: detail.into() }
+        Self {
+            field: field.into(),
+            kind: FieldErrorKind::Forbidden,
+            value: None,
+            detail: detail.into(),
+        }
     }
     /// The message without the field path, as in a Kubernetes `StatusCause.message`.
     pub fn message(&self) -> String {
@@ -168,7 +191,12 @@ impl ValidationError {
             Self::Malformed(_) => Vec::new(),
             Self::UnknownFields(f) => f
                 .iter()
-                .map(|f| FieldError { field: f.clone(), kind: FieldErrorKind::Unknown, value: None, detail: String::new() })
+                .map(|f| FieldError {
+                    field: f.clone(),
+                    kind: FieldErrorKind::Unknown,
+                    value: None,
+                    detail: String::new(),
+                })
                 .collect(),
             Self::Invalid(e) => e.clone(),
         }
@@ -180,13 +208,18 @@ impl ValidationError {
 /// Bodies that are not a JSON object are refused.
 pub fn decode_value(body: &[u8], yaml: bool) -> Result<Value, ValidationError> {
     let v: Value = if yaml {
-        let text = std::str::from_utf8(body).map_err(|e| ValidationError::Malformed(format!("body is not UTF-8: {e}")))?;
-        serde_yaml::from_str(text).map_err(|e| ValidationError::Malformed(format!("invalid YAML: {e}")))?
+        let text = std::str::from_utf8(body)
+            .map_err(|e| ValidationError::Malformed(format!("body is not UTF-8: {e}")))?;
+        serde_yaml::from_str(text)
+            .map_err(|e| ValidationError::Malformed(format!("invalid YAML: {e}")))?
     } else {
-        serde_json::from_slice(body).map_err(|e| ValidationError::Malformed(format!("invalid JSON: {e}")))?
+        serde_json::from_slice(body)
+            .map_err(|e| ValidationError::Malformed(format!("invalid JSON: {e}")))?
     };
     if !v.is_object() {
-        return Err(ValidationError::Malformed("the body must be a JSON object".into()));
+        return Err(ValidationError::Malformed(
+            "the body must be a JSON object".into(),
+        ));
     }
     Ok(v)
 }
@@ -198,11 +231,15 @@ fn ignored_path(p: &serde_ignored::Path<'_>) -> String {
         Path::Seq { parent, index } => format!("{}[{index}]", ignored_path(parent)),
         Path::Map { parent, key } => {
             let base = ignored_path(parent);
-            if base.is_empty() { key.clone() } else { format!("{base}.{key}") }
+            if base.is_empty() {
+                key.clone()
+            } else {
+                format!("{base}.{key}")
+            }
         }
-        Path::Some { parent } | Path::NewtypeStruct { parent } | Path::NewtypeVariant { parent } => {
-            ignored_path(parent)
-        }
+        Path::Some { parent }
+        | Path::NewtypeStruct { parent }
+        | Path::NewtypeVariant { parent } => ignored_path(parent),
     }
 }
 
@@ -236,16 +273,32 @@ fn serde_field_error(path: String, msg: &str) -> FieldError {
     // `missing field `name``
     if let Some(rest) = msg.strip_prefix("missing field `") {
         let name = rest.trim_end_matches('`');
-        let field = if path.is_empty() { name.to_string() } else { format!("{path}.{name}") };
+        let field = if path.is_empty() {
+            name.to_string()
+        } else {
+            format!("{path}.{name}")
+        };
         return FieldError::required(field, "");
     }
-    let field = if path.is_empty() { "<root>".to_string() } else { path };
-    FieldError { field, kind: FieldErrorKind::TypeInvalid, value: None, detail: msg.to_string() }
+    let field = if path.is_empty() {
+        "<root>".to_string()
+    } else {
+        path
+    };
+    FieldError {
+        field,
+        kind: FieldErrorKind::TypeInvalid,
+        value: None,
+        detail: msg.to_string(),
+    }
 }
 
 /// Decodes `value` into `T`, collecting unknown fields. Returns the object and
 /// the unknown field paths (empty in strict mode, which fails instead).
-pub fn decode_as<T: DeserializeOwned>(value: &Value, mode: FieldValidation) -> Result<(T, Vec<String>), ValidationError> {
+pub fn decode_as<T: DeserializeOwned>(
+    value: &Value,
+    mode: FieldValidation,
+) -> Result<(T, Vec<String>), ValidationError> {
     let mut unknown = Vec::new();
     let res: Result<T, _> = {
         let mut cb = |p: serde_ignored::Path<'_>| unknown.push(ignored_path(&p));
@@ -269,7 +322,10 @@ pub fn decode_as<T: DeserializeOwned>(value: &Value, mode: FieldValidation) -> R
 
 /// Decodes and validates a resource: shape (serde), unknown fields per `mode`,
 /// then [`Resource::validate`] and the metadata checks every kind shares.
-pub fn decode<K: Resource>(value: &Value, mode: FieldValidation) -> Result<(K, Vec<String>), ValidationError> {
+pub fn decode<K: Resource>(
+    value: &Value,
+    mode: FieldValidation,
+) -> Result<(K, Vec<String>), ValidationError> {
     let (obj, warnings): (K, Vec<String>) = decode_as(value, mode)?;
     let mut errs = validate_metadata(obj.metadata(), K::SCOPE == super::Scope::Namespaced);
     errs.extend(obj.validate());
@@ -285,7 +341,8 @@ pub fn is_dns_subdomain(s: &str) -> bool {
         && s.len() <= 253
         && s.split('.').all(|l| {
             !l.is_empty()
-                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
                 && !l.starts_with('-')
                 && !l.ends_with('-')
         })
@@ -312,13 +369,18 @@ fn valid_label_name(k: &str) -> bool {
 fn valid_label_value(v: &str) -> bool {
     v.len() <= 63
         && (v.is_empty()
-            || (v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+            || (v
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
                 && v.as_bytes().first().is_some_and(u8::is_ascii_alphanumeric)
                 && v.as_bytes().last().is_some_and(u8::is_ascii_alphanumeric)))
 }
 
 /// Metadata checks shared by every kind: name syntax, label syntax.
-pub fn validate_metadata(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta, namespaced: bool) -> Vec<FieldError> {
+pub fn validate_metadata(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    namespaced: bool,
+) -> Vec<FieldError> {
     let mut errs = Vec::new();
     if let Some(name) = &meta.name
         && !is_dns_subdomain(name)
@@ -333,7 +395,11 @@ pub fn validate_metadata(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::
         if !namespaced {
             // Cluster-scoped objects ignore a namespace in the body (as Kubernetes does).
         } else if !is_dns_label(ns) {
-            errs.push(FieldError::invalid("metadata.namespace", ns, "must be a lowercase RFC 1123 label"));
+            errs.push(FieldError::invalid(
+                "metadata.namespace",
+                ns,
+                "must be a lowercase RFC 1123 label",
+            ));
         }
     }
     for (k, v) in meta.labels.iter().flatten() {
@@ -346,7 +412,11 @@ pub fn validate_metadata(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::
     }
     for (k, _) in meta.annotations.iter().flatten() {
         if !valid_label_name(k) && !k.contains('/') {
-            errs.push(FieldError::invalid(format!("metadata.annotations[{k}]"), k, "invalid annotation key"));
+            errs.push(FieldError::invalid(
+                format!("metadata.annotations[{k}]"),
+                k,
+                "invalid annotation key",
+            ));
         }
     }
     errs
@@ -368,16 +438,31 @@ mod tests {
 
     #[test]
     fn malformed_bodies_are_refused() {
-        assert!(matches!(decode_value(b"{", false), Err(ValidationError::Malformed(_))));
-        assert!(matches!(decode_value(b"[1]", false), Err(ValidationError::Malformed(_))));
-        assert!(matches!(decode_value(b"a: [", true), Err(ValidationError::Malformed(_))));
+        assert!(matches!(
+            decode_value(b"{", false),
+            Err(ValidationError::Malformed(_))
+        ));
+        assert!(matches!(
+            decode_value(b"[1]", false),
+            Err(ValidationError::Malformed(_))
+        ));
+        assert!(matches!(
+            decode_value(b"a: [", true),
+            Err(ValidationError::Malformed(_))
+        ));
         assert!(decode_value(b"a: 1", true).is_ok());
     }
 
     #[test]
     fn labels_are_checked() {
         let meta = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-            labels: Some([("kubevirt.io/vm".to_string(), "ok".to_string()), ("bad key!".to_string(), "x".to_string())].into()),
+            labels: Some(
+                [
+                    ("kubevirt.io/vm".to_string(), "ok".to_string()),
+                    ("bad key!".to_string(), "x".to_string()),
+                ]
+                .into(),
+            ),
             ..Default::default()
         };
         let errs = validate_metadata(&meta, true);

@@ -228,7 +228,11 @@ pub struct StartFailure {
     #[serde(default)]
     pub consecutive_fail_count: u32,
     /// Uid of the last failed instance.
-    #[serde(default, skip_serializing_if = "Option::is_none", rename = "lastFailedVMIUID")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "lastFailedVMIUID"
+    )]
     pub last_failed_vmi_uid: Option<String>,
     /// No restart before this time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -271,7 +275,11 @@ fn validate_vm(vm: &VirtualMachine) -> Vec<FieldError> {
         let p = format!("spec.dataVolumeTemplates[{i}]");
         match dv.metadata.name.as_deref() {
             None | Some("") => errs.push(FieldError::required(format!("{p}.metadata.name"), "")),
-            Some(n) if !is_dns_subdomain(n) => errs.push(FieldError::invalid(format!("{p}.metadata.name"), n, "must be a lowercase RFC 1123 subdomain")),
+            Some(n) if !is_dns_subdomain(n) => errs.push(FieldError::invalid(
+                format!("{p}.metadata.name"),
+                n,
+                "must be a lowercase RFC 1123 subdomain",
+            )),
             Some(n) => {
                 if !names.insert(n.to_string()) {
                     errs.push(FieldError::duplicate(format!("{p}.metadata.name"), n));
@@ -279,18 +287,39 @@ fn validate_vm(vm: &VirtualMachine) -> Vec<FieldError> {
             }
         }
         let storage = dv.spec.storage.as_ref().or(dv.spec.pvc.as_ref());
-        let size = storage.and_then(|s| s.resources.as_ref()).and_then(|r| r.requests.as_ref()).and_then(|r| r.get("storage"));
+        let size = storage
+            .and_then(|s| s.resources.as_ref())
+            .and_then(|r| r.requests.as_ref())
+            .and_then(|r| r.get("storage"));
         match size {
-            None => errs.push(FieldError::required(format!("{p}.spec.storage.resources.requests.storage"), "volume size")),
+            None => errs.push(FieldError::required(
+                format!("{p}.spec.storage.resources.requests.storage"),
+                "volume size",
+            )),
             Some(q) if parse_quantity_bytes(&q.0).is_none_or(|b| b == 0) => {
-                errs.push(FieldError::invalid(format!("{p}.spec.storage.resources.requests.storage"), &q.0, "must be a positive quantity such as 10Gi"));
+                errs.push(FieldError::invalid(
+                    format!("{p}.spec.storage.resources.requests.storage"),
+                    &q.0,
+                    "must be a positive quantity such as 10Gi",
+                ));
             }
             Some(_) => {}
         }
         if let Some(src) = &dv.spec.source {
-            let n = [src.blank.is_some(), src.http.is_some(), src.registry.is_some(), src.pvc.is_some()].iter().filter(|b| **b).count();
+            let n = [
+                src.blank.is_some(),
+                src.http.is_some(),
+                src.registry.is_some(),
+                src.pvc.is_some(),
+            ]
+            .iter()
+            .filter(|b| **b)
+            .count();
             if n > 1 {
-                errs.push(FieldError::forbidden(format!("{p}.spec.source"), "exactly one source may be set"));
+                errs.push(FieldError::forbidden(
+                    format!("{p}.spec.source"),
+                    "exactly one source may be set",
+                ));
             }
         }
     }
@@ -419,7 +448,10 @@ pub struct Cpu {
 impl Cpu {
     /// Total vCPUs.
     pub fn vcpus(&self) -> u32 {
-        self.cores.unwrap_or(1).saturating_mul(self.sockets.unwrap_or(1)).saturating_mul(self.threads.unwrap_or(1))
+        self.cores
+            .unwrap_or(1)
+            .saturating_mul(self.sockets.unwrap_or(1))
+            .saturating_mul(self.threads.unwrap_or(1))
     }
 }
 
@@ -839,7 +871,11 @@ pub struct Network {
 #[serde(rename_all = "camelCase")]
 pub struct PodNetwork {
     /// Guest CIDR for masquerade.
-    #[serde(default, skip_serializing_if = "Option::is_none", rename = "vmNetworkCIDR")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "vmNetworkCIDR"
+    )]
     pub vm_network_cidr: Option<String>,
 }
 
@@ -1006,44 +1042,85 @@ root_kind! {
 
 fn is_mac(s: &str) -> bool {
     let parts: Vec<&str> = s.split([':', '-']).collect();
-    parts.len() == 6 && parts.iter().all(|p| p.len() == 2 && p.bytes().all(|b| b.is_ascii_hexdigit()))
+    parts.len() == 6
+        && parts
+            .iter()
+            .all(|p| p.len() == 2 && p.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 /// Semantic checks of an instance spec; `p` is the path prefix (`spec` or `spec.template.spec`).
 pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec<FieldError>) {
     let d = &s.domain;
     // Memory: KubeVirt requires a request or a guest size.
-    let req_mem = d.resources.as_ref().and_then(|r| r.requests.as_ref()).and_then(|r| r.get("memory"));
+    let req_mem = d
+        .resources
+        .as_ref()
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("memory"));
     let guest_mem = d.memory.as_ref().and_then(|m| m.guest.as_ref());
     if req_mem.is_none() && guest_mem.is_none() {
-        errs.push(FieldError::required(format!("{p}.domain.resources.requests.memory"), "set resources.requests.memory or memory.guest"));
+        errs.push(FieldError::required(
+            format!("{p}.domain.resources.requests.memory"),
+            "set resources.requests.memory or memory.guest",
+        ));
     }
-    for (key, rr) in [("requests", d.resources.as_ref().and_then(|r| r.requests.as_ref())), ("limits", d.resources.as_ref().and_then(|r| r.limits.as_ref()))] {
+    for (key, rr) in [
+        (
+            "requests",
+            d.resources.as_ref().and_then(|r| r.requests.as_ref()),
+        ),
+        (
+            "limits",
+            d.resources.as_ref().and_then(|r| r.limits.as_ref()),
+        ),
+    ] {
         for (name, q) in rr.into_iter().flatten() {
             let field = format!("{p}.domain.resources.{key}.{name}");
             let ok = match name.as_str() {
                 "cpu" => parse_quantity_millis(&q.0).is_some_and(|m| m > 0),
-                "memory" | "ephemeral-storage" | "storage" => parse_quantity_bytes(&q.0).is_some_and(|b| b > 0),
+                "memory" | "ephemeral-storage" | "storage" => {
+                    parse_quantity_bytes(&q.0).is_some_and(|b| b > 0)
+                }
                 _ => parse_quantity_millis(&q.0).is_some(),
             };
             if !ok {
-                errs.push(FieldError::invalid(field, &q.0, "must be a positive quantity"));
+                errs.push(FieldError::invalid(
+                    field,
+                    &q.0,
+                    "must be a positive quantity",
+                ));
             }
         }
     }
     if let Some(g) = guest_mem
         && parse_quantity_bytes(&g.0).is_none_or(|b| b < (1 << 20))
     {
-        errs.push(FieldError::invalid(format!("{p}.domain.memory.guest"), &g.0, "must be a quantity of at least 1Mi"));
+        errs.push(FieldError::invalid(
+            format!("{p}.domain.memory.guest"),
+            &g.0,
+            "must be a quantity of at least 1Mi",
+        ));
     }
     if let Some(cpu) = &d.cpu {
-        for (name, v) in [("cores", cpu.cores), ("sockets", cpu.sockets), ("threads", cpu.threads)] {
+        for (name, v) in [
+            ("cores", cpu.cores),
+            ("sockets", cpu.sockets),
+            ("threads", cpu.threads),
+        ] {
             if v == Some(0) {
-                errs.push(FieldError::invalid(format!("{p}.domain.cpu.{name}"), 0, "must be at least 1"));
+                errs.push(FieldError::invalid(
+                    format!("{p}.domain.cpu.{name}"),
+                    0,
+                    "must be at least 1",
+                ));
             }
         }
         if cpu.vcpus() > 512 {
-            errs.push(FieldError::invalid(format!("{p}.domain.cpu"), cpu.vcpus(), "at most 512 vCPUs"));
+            errs.push(FieldError::invalid(
+                format!("{p}.domain.cpu"),
+                cpu.vcpus(),
+                "at most 512 vCPUs",
+            ));
         }
     }
     // Volumes.
@@ -1053,7 +1130,11 @@ pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec
         if v.name.is_empty() {
             errs.push(FieldError::required(format!("{vp}.name"), ""));
         } else if !is_dns_label(&v.name) {
-            errs.push(FieldError::invalid(format!("{vp}.name"), &v.name, "must be a lowercase RFC 1123 label"));
+            errs.push(FieldError::invalid(
+                format!("{vp}.name"),
+                &v.name,
+                "must be a lowercase RFC 1123 label",
+            ));
         } else if !vol_names.insert(v.name.as_str()) {
             errs.push(FieldError::duplicate(format!("{vp}.name"), &v.name));
         }
@@ -1065,30 +1146,51 @@ pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec
         if let Some(c) = &v.persistent_volume_claim
             && !is_dns_subdomain(&c.claim_name)
         {
-            errs.push(FieldError::invalid(format!("{vp}.persistentVolumeClaim.claimName"), &c.claim_name, "must name a Volume"));
+            errs.push(FieldError::invalid(
+                format!("{vp}.persistentVolumeClaim.claimName"),
+                &c.claim_name,
+                "must name a Volume",
+            ));
         }
         if let Some(dv) = &v.data_volume
             && !is_dns_subdomain(&dv.name)
         {
-            errs.push(FieldError::invalid(format!("{vp}.dataVolume.name"), &dv.name, "must name a Volume"));
+            errs.push(FieldError::invalid(
+                format!("{vp}.dataVolume.name"),
+                &dv.name,
+                "must name a Volume",
+            ));
         }
         if let Some(cd) = &v.container_disk
             && cd.image.is_empty()
         {
-            errs.push(FieldError::required(format!("{vp}.containerDisk.image"), ""));
+            errs.push(FieldError::required(
+                format!("{vp}.containerDisk.image"),
+                "",
+            ));
         }
-        for (key, ci) in [("cloudInitNoCloud", &v.cloud_init_no_cloud), ("cloudInitConfigDrive", &v.cloud_init_config_drive)] {
+        for (key, ci) in [
+            ("cloudInitNoCloud", &v.cloud_init_no_cloud),
+            ("cloudInitConfigDrive", &v.cloud_init_config_drive),
+        ] {
             if let Some(ci) = ci
                 && ci.user_data.is_some()
                 && ci.user_data_base64.is_some()
             {
-                errs.push(FieldError::forbidden(format!("{vp}.{key}.userDataBase64"), "userData and userDataBase64 are mutually exclusive"));
+                errs.push(FieldError::forbidden(
+                    format!("{vp}.{key}.userDataBase64"),
+                    "userData and userDataBase64 are mutually exclusive",
+                ));
             }
         }
         if let Some(e) = &v.empty_disk
             && parse_quantity_bytes(&e.capacity.0).is_none_or(|b| b == 0)
         {
-            errs.push(FieldError::invalid(format!("{vp}.emptyDisk.capacity"), &e.capacity.0, "must be a positive quantity"));
+            errs.push(FieldError::invalid(
+                format!("{vp}.emptyDisk.capacity"),
+                &e.capacity.0,
+                "must be a positive quantity",
+            ));
         }
     }
     // Disks.
@@ -1100,15 +1202,28 @@ pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec
             errs.push(FieldError::required(format!("{dp}.name"), ""));
         } else if !disk_names.insert(disk.name.as_str()) {
             errs.push(FieldError::duplicate(format!("{dp}.name"), &disk.name));
-        } else if !vol_names.contains(disk.name.as_str()) && !s.volumes.iter().any(|v| v.name == disk.name) {
-            errs.push(FieldError::invalid(format!("{dp}.name"), &disk.name, "no volume of that name in volumes"));
+        } else if !vol_names.contains(disk.name.as_str())
+            && !s.volumes.iter().any(|v| v.name == disk.name)
+        {
+            errs.push(FieldError::invalid(
+                format!("{dp}.name"),
+                &disk.name,
+                "no volume of that name in volumes",
+            ));
         }
         if disk.disk.is_some() && disk.cdrom.is_some() {
-            errs.push(FieldError::forbidden(format!("{dp}.cdrom"), "a disk may be either disk or cdrom"));
+            errs.push(FieldError::forbidden(
+                format!("{dp}.cdrom"),
+                "a disk may be either disk or cdrom",
+            ));
         }
         if let Some(o) = disk.boot_order {
             if o == 0 {
-                errs.push(FieldError::invalid(format!("{dp}.bootOrder"), 0, "must be at least 1"));
+                errs.push(FieldError::invalid(
+                    format!("{dp}.bootOrder"),
+                    0,
+                    "must be at least 1",
+                ));
             } else if !boot_orders.insert(o) {
                 errs.push(FieldError::duplicate(format!("{dp}.bootOrder"), o));
             }
@@ -1124,7 +1239,10 @@ pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec
             errs.push(FieldError::duplicate(format!("{np}.name"), &n.name));
         }
         if n.pod.is_none() {
-            errs.push(FieldError::required(format!("{np}.pod"), "sheaf supports the pod network only"));
+            errs.push(FieldError::required(
+                format!("{np}.pod"),
+                "sheaf supports the pod network only",
+            ));
         }
     }
     let mut if_names = BTreeSet::new();
@@ -1135,37 +1253,64 @@ pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec
         } else if !if_names.insert(ifc.name.as_str()) {
             errs.push(FieldError::duplicate(format!("{ip}.name"), &ifc.name));
         } else if !net_names.contains(ifc.name.as_str()) {
-            errs.push(FieldError::invalid(format!("{ip}.name"), &ifc.name, "no network of that name in networks"));
+            errs.push(FieldError::invalid(
+                format!("{ip}.name"),
+                &ifc.name,
+                "no network of that name in networks",
+            ));
         }
         if ifc.masquerade.is_some() && ifc.bridge.is_some() {
-            errs.push(FieldError::forbidden(format!("{ip}.bridge"), "only one binding method may be set"));
+            errs.push(FieldError::forbidden(
+                format!("{ip}.bridge"),
+                "only one binding method may be set",
+            ));
         }
         if let Some(mac) = &ifc.mac_address
             && !is_mac(mac)
         {
-            errs.push(FieldError::invalid(format!("{ip}.macAddress"), mac, "must be a MAC address such as 02:00:00:12:34:56"));
+            errs.push(FieldError::invalid(
+                format!("{ip}.macAddress"),
+                mac,
+                "must be a MAC address such as 02:00:00:12:34:56",
+            ));
         }
         for (j, port) in ifc.ports.iter().flatten().enumerate() {
             if port.port == 0 {
-                errs.push(FieldError::invalid(format!("{ip}.ports[{j}].port"), 0, "must be between 1 and 65535"));
+                errs.push(FieldError::invalid(
+                    format!("{ip}.ports[{j}].port"),
+                    0,
+                    "must be between 1 and 65535",
+                ));
             }
             if let Some(proto) = &port.protocol
                 && proto != "TCP"
                 && proto != "UDP"
             {
-                errs.push(FieldError::not_supported(format!("{ip}.ports[{j}].protocol"), proto, &["TCP", "UDP"]));
+                errs.push(FieldError::not_supported(
+                    format!("{ip}.ports[{j}].protocol"),
+                    proto,
+                    &["TCP", "UDP"],
+                ));
             }
         }
     }
     if let Some(t) = s.termination_grace_period_seconds
         && t < 0
     {
-        errs.push(FieldError::invalid(format!("{p}.terminationGracePeriodSeconds"), t, "must be >= 0"));
+        errs.push(FieldError::invalid(
+            format!("{p}.terminationGracePeriodSeconds"),
+            t,
+            "must be >= 0",
+        ));
     }
     if let Some(h) = &s.hostname
         && !is_dns_label(h)
     {
-        errs.push(FieldError::invalid(format!("{p}.hostname"), h, "must be a lowercase RFC 1123 label"));
+        errs.push(FieldError::invalid(
+            format!("{p}.hostname"),
+            h,
+            "must be a lowercase RFC 1123 label",
+        ));
     }
 }
 

@@ -25,11 +25,13 @@ pub mod registry;
 pub mod sheaf;
 
 pub use common::{Condition, ConditionStatus};
-pub use decode::{FieldError, FieldErrorKind, FieldValidation, ValidationError, decode, decode_value};
+pub use decode::{
+    FieldError, FieldErrorKind, FieldValidation, ValidationError, decode, decode_value,
+};
 pub use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
 pub use kubevirt::{
-    VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration, VirtualMachineInstanceSpec,
-    VirtualMachineSpec, VmiPhase, RunStrategy,
+    RunStrategy, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration,
+    VirtualMachineInstanceSpec, VirtualMachineSpec, VmiPhase,
 };
 pub use quantity::{parse_quantity, parse_quantity_bytes, parse_quantity_millis};
 pub use registry::{KindInfo, Registry, Scope, TableColumn};

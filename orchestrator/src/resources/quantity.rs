@@ -13,7 +13,9 @@ pub fn parse_quantity(s: &str) -> Option<i128> {
         b'+' => (1, &s[1..]),
         _ => (1, s),
     };
-    let num_end = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let num_end = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
     let (num, suffix) = s.split_at(num_end);
     if num.is_empty() || num == "." || num.matches('.').count() > 1 {
         return None;
@@ -53,7 +55,11 @@ pub fn parse_quantity(s: &str) -> Option<i128> {
             if !(-9..=18).contains(&exp) {
                 return None;
             }
-            if exp >= 0 { mul(nanos, 10i128.pow(exp.unsigned_abs()))? } else { nanos / 10i128.pow(exp.unsigned_abs()) }
+            if exp >= 0 {
+                mul(nanos, 10i128.pow(exp.unsigned_abs()))?
+            } else {
+                nanos / 10i128.pow(exp.unsigned_abs())
+            }
         }
         _ => return None,
     };
@@ -93,7 +99,16 @@ mod tests {
 
     #[test]
     fn rejects_garbage() {
-        for bad in ["", "Mi", "12Q", "1..2", "-1Gi", "1e99", "abc", "9999999999999999999999999999999Ei"] {
+        for bad in [
+            "",
+            "Mi",
+            "12Q",
+            "1..2",
+            "-1Gi",
+            "1e99",
+            "abc",
+            "9999999999999999999999999999999Ei",
+        ] {
             assert_eq!(parse_quantity_bytes(bad), None, "{bad}");
         }
     }

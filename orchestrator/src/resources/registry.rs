@@ -6,7 +6,9 @@ use serde_json::Value;
 
 use super::common::{age_cell, json_str};
 use super::decode::{FieldError, FieldValidation, ValidationError, decode, is_dns_label};
-use super::{Node, Resource, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration, Volume};
+use super::{
+    Node, Resource, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration, Volume,
+};
 
 /// Namespaced or cluster-scoped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,7 +35,12 @@ pub struct TableColumn {
 impl TableColumn {
     /// A priority-0 column. `date` columns are rendered as `string` ages.
     pub fn new(name: &'static str, type_: &'static str, description: &'static str) -> Self {
-        Self { name, type_, description, priority: 0 }
+        Self {
+            name,
+            type_,
+            description,
+            priority: 0,
+        }
     }
     /// Sets the priority (builder style).
     pub fn priority(mut self, p: u8) -> Self {
@@ -41,6 +48,9 @@ impl TableColumn {
         self
     }
 }
+
+/// Decodes, validates and normalizes an object; returns it and the unknown-field warnings.
+pub type DecodeFn = fn(&Value, FieldValidation) -> Result<(Value, Vec<String>), ValidationError>;
 
 /// Everything the store and the API server need to know about a kind.
 #[derive(Clone, Debug)]
@@ -62,7 +72,7 @@ pub struct KindInfo {
     /// Has a `/status` subresource.
     pub has_status: bool,
     /// Decodes, validates and normalizes an object; returns it and warnings.
-    pub decode: fn(&Value, FieldValidation) -> Result<(Value, Vec<String>), ValidationError>,
+    pub decode: DecodeFn,
     /// Table columns after `Name`.
     pub columns: fn() -> Vec<TableColumn>,
     /// Table cells for an object.
@@ -73,7 +83,10 @@ pub struct KindInfo {
     pub schema_name: fn() -> String,
 }
 
-fn decode_normalized<K: Resource>(v: &Value, mode: FieldValidation) -> Result<(Value, Vec<String>), ValidationError> {
+fn decode_normalized<K: Resource>(
+    v: &Value,
+    mode: FieldValidation,
+) -> Result<(Value, Vec<String>), ValidationError> {
     let (obj, warnings) = decode::<K>(v, mode)?;
     let out = serde_json::to_value(&obj).map_err(|e| ValidationError::Malformed(e.to_string()))?;
     Ok((out, warnings))
@@ -101,7 +114,11 @@ impl KindInfo {
 
     /// `group/version` (or `version` for core).
     pub fn api_version(&self) -> String {
-        if self.group.is_empty() { self.version.to_string() } else { format!("{}/{}", self.group, self.version) }
+        if self.group.is_empty() {
+            self.version.to_string()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
     }
 
     /// Whether objects live in namespaces.
@@ -111,12 +128,20 @@ impl KindInfo {
 
     /// `plural.group` (`virtualmachines.kubevirt.io`), as used in error messages.
     pub fn qualified(&self) -> String {
-        if self.group.is_empty() { self.plural.to_string() } else { format!("{}.{}", self.plural, self.group) }
+        if self.group.is_empty() {
+            self.plural.to_string()
+        } else {
+            format!("{}.{}", self.plural, self.group)
+        }
     }
 
     /// `Kind.group` (`VirtualMachine.kubevirt.io`), as used in Invalid messages.
     pub fn kind_qualified(&self) -> String {
-        if self.group.is_empty() { self.kind.to_string() } else { format!("{}.{}", self.kind, self.group) }
+        if self.group.is_empty() {
+            self.kind.to_string()
+        } else {
+            format!("{}.{}", self.kind, self.group)
+        }
     }
 }
 
@@ -157,11 +182,15 @@ impl Registry {
     }
     /// Finds a kind by group, version and URL plural.
     pub fn by_plural(&self, group: &str, version: &str, plural: &str) -> Option<&KindInfo> {
-        self.kinds.iter().find(|k| k.group == group && k.version == version && k.plural == plural)
+        self.kinds
+            .iter()
+            .find(|k| k.group == group && k.version == version && k.plural == plural)
     }
     /// Finds a kind by `apiVersion` and `kind`.
     pub fn by_kind(&self, api_version: &str, kind: &str) -> Option<&KindInfo> {
-        self.kinds.iter().find(|k| k.api_version() == api_version && k.kind == kind)
+        self.kinds
+            .iter()
+            .find(|k| k.api_version() == api_version && k.kind == kind)
     }
     /// Groups and their versions, in registration order (core `""` included).
     pub fn groups(&self) -> Vec<(&'static str, &'static str)> {
@@ -192,15 +221,29 @@ impl Resource for Namespace {
     }
     fn validate(&self) -> Vec<FieldError> {
         match &self.metadata.name {
-            Some(n) if !is_dns_label(n) => vec![FieldError::invalid("metadata.name", n, "a namespace name must be a lowercase RFC 1123 label")],
+            Some(n) if !is_dns_label(n) => vec![FieldError::invalid(
+                "metadata.name",
+                n,
+                "a namespace name must be a lowercase RFC 1123 label",
+            )],
             _ => Vec::new(),
         }
     }
     fn table_columns() -> Vec<TableColumn> {
-        vec![TableColumn::new("Status", "string", "Phase"), TableColumn::new("Age", "date", "Time since creation")]
+        vec![
+            TableColumn::new("Status", "string", "Phase"),
+            TableColumn::new("Age", "date", "Time since creation"),
+        ]
     }
     fn table_row(obj: &Value) -> Vec<Value> {
         let phase = json_str(obj, "status.phase");
-        vec![Value::String(if phase.is_empty() { "Active".into() } else { phase.to_string() }), age_cell(obj)]
+        vec![
+            Value::String(if phase.is_empty() {
+                "Active".into()
+            } else {
+                phase.to_string()
+            }),
+            age_cell(obj),
+        ]
     }
 }

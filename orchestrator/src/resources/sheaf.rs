@@ -186,24 +186,48 @@ root_kind! {
 fn validate_volume(v: &Volume) -> Vec<FieldError> {
     let mut errs = Vec::new();
     if v.spec.size.0.is_empty() {
-        errs.push(FieldError::required("spec.size", "volume size such as 10Gi"));
+        errs.push(FieldError::required(
+            "spec.size",
+            "volume size such as 10Gi",
+        ));
     } else if parse_quantity_bytes(&v.spec.size.0).is_none_or(|b| b == 0) {
-        errs.push(FieldError::invalid("spec.size", &v.spec.size.0, "must be a positive quantity such as 10Gi"));
+        errs.push(FieldError::invalid(
+            "spec.size",
+            &v.spec.size.0,
+            "must be a positive quantity such as 10Gi",
+        ));
     }
     let replicas = v.spec.replica_count();
     if replicas == 0 || replicas > MAX_REPLICAS {
-        errs.push(FieldError::invalid("spec.replicas", replicas, format!("must be between 1 and {MAX_REPLICAS}")));
+        errs.push(FieldError::invalid(
+            "spec.replicas",
+            replicas,
+            format!("must be between 1 and {MAX_REPLICAS}"),
+        ));
     }
     if let Some(m) = v.spec.min_write_replicas
         && (m == 0 || m > replicas)
     {
-        errs.push(FieldError::invalid("spec.minWriteReplicas", m, "must be between 1 and spec.replicas"));
+        errs.push(FieldError::invalid(
+            "spec.minWriteReplicas",
+            m,
+            "must be between 1 and spec.replicas",
+        ));
     }
     if let Some(src) = &v.spec.source {
         match (&src.image, &src.volume) {
-            (Some(_), Some(_)) => errs.push(FieldError::forbidden("spec.source", "image and volume are mutually exclusive")),
-            (Some(i), None) if i.is_empty() => errs.push(FieldError::required("spec.source.image", "")),
-            (None, Some(n)) if !is_dns_subdomain(n) => errs.push(FieldError::invalid("spec.source.volume", n, "must name a Volume")),
+            (Some(_), Some(_)) => errs.push(FieldError::forbidden(
+                "spec.source",
+                "image and volume are mutually exclusive",
+            )),
+            (Some(i), None) if i.is_empty() => {
+                errs.push(FieldError::required("spec.source.image", ""))
+            }
+            (None, Some(n)) if !is_dns_subdomain(n) => errs.push(FieldError::invalid(
+                "spec.source.volume",
+                n,
+                "must name a Volume",
+            )),
             _ => {}
         }
     }
@@ -318,15 +342,30 @@ fn validate_node(n: &Node) -> Vec<FieldError> {
             errs.push(FieldError::required(format!("spec.taints[{i}].key"), ""));
         }
         if !["NoSchedule", "PreferNoSchedule", "NoExecute"].contains(&t.effect.as_str()) {
-            errs.push(FieldError::not_supported(format!("spec.taints[{i}].effect"), &t.effect, &["NoSchedule", "PreferNoSchedule", "NoExecute"]));
+            errs.push(FieldError::not_supported(
+                format!("spec.taints[{i}].effect"),
+                &t.effect,
+                &["NoSchedule", "PreferNoSchedule", "NoExecute"],
+            ));
         }
     }
     if let Some(status) = &n.status {
-        for (key, map) in [("capacity", &status.capacity), ("allocatable", &status.allocatable)] {
+        for (key, map) in [
+            ("capacity", &status.capacity),
+            ("allocatable", &status.allocatable),
+        ] {
             for (name, q) in map.iter().flatten() {
-                let ok = if name == "cpu" { parse_quantity_millis(&q.0).is_some() } else { parse_quantity_bytes(&q.0).is_some() };
+                let ok = if name == "cpu" {
+                    parse_quantity_millis(&q.0).is_some()
+                } else {
+                    parse_quantity_bytes(&q.0).is_some()
+                };
                 if !ok {
-                    errs.push(FieldError::invalid(format!("status.{key}.{name}"), &q.0, "must be a quantity"));
+                    errs.push(FieldError::invalid(
+                        format!("status.{key}.{name}"),
+                        &q.0,
+                        "must be a quantity",
+                    ));
                 }
             }
         }

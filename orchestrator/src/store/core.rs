@@ -9,8 +9,8 @@ use serde_json::{Map, Value};
 use tokio::sync::watch;
 
 use super::{
-    DeleteOptions, EventType, GroupKind, ListOptions, ObjectList, Propagation, StoreError, StoreResult, UpdateScope,
-    WatchEvent, WatchOptions, WatchStream,
+    DeleteOptions, EventType, GroupKind, ListOptions, ObjectList, Propagation, StoreError,
+    StoreResult, UpdateScope, WatchEvent, WatchOptions, WatchStream,
 };
 use crate::resources::common::now;
 
@@ -93,7 +93,10 @@ pub(crate) fn meta(obj: &Value) -> Option<&Map<String, Value>> {
 }
 
 pub(crate) fn meta_str<'a>(obj: &'a Value, field: &str) -> Option<&'a str> {
-    meta(obj).and_then(|m| m.get(field)).and_then(Value::as_str).filter(|s| !s.is_empty())
+    meta(obj)
+        .and_then(|m| m.get(field))
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
 }
 
 fn meta_mut(obj: &mut Value) -> &mut Map<String, Value> {
@@ -101,7 +104,9 @@ fn meta_mut(obj: &mut Value) -> &mut Map<String, Value> {
         *obj = Value::Object(Map::new());
     }
     let root = obj.as_object_mut().expect("made an object above");
-    let m = root.entry("metadata").or_insert_with(|| Value::Object(Map::new()));
+    let m = root
+        .entry("metadata")
+        .or_insert_with(|| Value::Object(Map::new()));
     if !m.is_object() {
         *m = Value::Object(Map::new());
     }
@@ -112,7 +117,11 @@ fn finalizers(obj: &Value) -> Vec<String> {
     meta(obj)
         .and_then(|m| m.get("finalizers"))
         .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -129,7 +138,11 @@ fn owner_uids(obj: &Value) -> Vec<String> {
     meta(obj)
         .and_then(|m| m.get("ownerReferences"))
         .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(|r| r.get("uid").and_then(Value::as_str).map(str::to_string)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|r| r.get("uid").and_then(Value::as_str).map(str::to_string))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -148,7 +161,11 @@ fn spec_part(obj: &Value) -> Value {
 fn random_suffix() -> String {
     const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
     let bytes = uuid::Uuid::new_v4().into_bytes();
-    bytes.iter().take(5).map(|b| ALPHABET[usize::from(*b) % ALPHABET.len()] as char).collect()
+    bytes
+        .iter()
+        .take(5)
+        .map(|b| ALPHABET[usize::from(*b) % ALPHABET.len()] as char)
+        .collect()
 }
 
 /// Changes being prepared against a snapshot of the state.
@@ -161,7 +178,12 @@ struct Txn<'a> {
 
 impl<'a> Txn<'a> {
     fn new(state: &'a State) -> Self {
-        Self { state, overlay: BTreeMap::new(), events: Vec::new(), next_rv: state.rv + 1 }
+        Self {
+            state,
+            overlay: BTreeMap::new(),
+            events: Vec::new(),
+            next_rv: state.rv + 1,
+        }
     }
 
     fn get(&self, key: &ObjKey) -> Option<Arc<Value>> {
@@ -188,20 +210,30 @@ impl<'a> Txn<'a> {
 
     fn uid_exists(&self, uid: &str) -> bool {
         if let Some(key) = self.state.uids.get(uid)
-            && self.get(key).is_some_and(|o| meta_str(&o, "uid") == Some(uid))
+            && self
+                .get(key)
+                .is_some_and(|o| meta_str(&o, "uid") == Some(uid))
         {
             return true;
         }
-        self.overlay.values().flatten().any(|o| meta_str(o, "uid") == Some(uid))
+        self.overlay
+            .values()
+            .flatten()
+            .any(|o| meta_str(o, "uid") == Some(uid))
     }
 
     fn key_for_uid(&self, uid: &str) -> Option<ObjKey> {
         if let Some(key) = self.state.uids.get(uid)
-            && self.get(key).is_some_and(|o| meta_str(&o, "uid") == Some(uid))
+            && self
+                .get(key)
+                .is_some_and(|o| meta_str(&o, "uid") == Some(uid))
         {
             return Some(key.clone());
         }
-        self.overlay.iter().find(|(_, o)| o.as_ref().is_some_and(|o| meta_str(o, "uid") == Some(uid))).map(|(k, _)| k.clone())
+        self.overlay
+            .iter()
+            .find(|(_, o)| o.as_ref().is_some_and(|o| meta_str(o, "uid") == Some(uid)))
+            .map(|(k, _)| k.clone())
     }
 
     fn put(&mut self, key: &ObjKey, mut obj: Value, type_: EventType) -> Arc<Value> {
@@ -211,7 +243,13 @@ impl<'a> Txn<'a> {
         let obj = Arc::new(obj);
         let prev = self.get(key);
         self.overlay.insert(key.clone(), Some(obj.clone()));
-        self.events.push(Event { rv, key: key.clone(), type_, object: obj.clone(), prev });
+        self.events.push(Event {
+            rv,
+            key: key.clone(),
+            type_,
+            object: obj.clone(),
+            prev,
+        });
         obj
     }
 
@@ -222,12 +260,21 @@ impl<'a> Txn<'a> {
         let obj = Arc::new(last);
         let prev = self.get(key);
         self.overlay.insert(key.clone(), None);
-        self.events.push(Event { rv, key: key.clone(), type_: EventType::Deleted, object: obj.clone(), prev });
+        self.events.push(Event {
+            rv,
+            key: key.clone(),
+            type_: EventType::Deleted,
+            object: obj.clone(),
+            prev,
+        });
         obj
     }
 
     fn not_found(key: &ObjKey) -> StoreError {
-        StoreError::NotFound { kind: GroupKind::new(&key.0, &key.1), name: key.3.clone() }
+        StoreError::NotFound {
+            kind: GroupKind::new(&key.0, &key.1),
+            name: key.3.clone(),
+        }
     }
 
     fn create(&mut self, key_base: (&GroupKind, &str), mut obj: Value) -> StoreResult<Arc<Value>> {
@@ -239,7 +286,10 @@ impl<'a> Txn<'a> {
                     let mut n;
                     loop {
                         n = format!("{prefix}{}", random_suffix());
-                        if self.get(&(gk.group.clone(), gk.kind.clone(), ns.to_string(), n.clone())).is_none() {
+                        if self
+                            .get(&(gk.group.clone(), gk.kind.clone(), ns.to_string(), n.clone()))
+                            .is_none()
+                        {
                             break;
                         }
                     }
@@ -249,14 +299,23 @@ impl<'a> Txn<'a> {
                     return Err(StoreError::Invalid {
                         kind: gk.clone(),
                         name: String::new(),
-                        message: "metadata.name: Required value: name or generateName is required".into(),
+                        message: "metadata.name: Required value: name or generateName is required"
+                            .into(),
                     });
                 }
             },
         };
-        let key = (gk.group.clone(), gk.kind.clone(), ns.to_string(), name.clone());
+        let key = (
+            gk.group.clone(),
+            gk.kind.clone(),
+            ns.to_string(),
+            name.clone(),
+        );
         if self.get(&key).is_some() {
-            return Err(StoreError::AlreadyExists { kind: gk.clone(), name });
+            return Err(StoreError::AlreadyExists {
+                kind: gk.clone(),
+                name,
+            });
         }
         let m = meta_mut(&mut obj);
         m.insert("name".into(), Value::String(name));
@@ -265,8 +324,14 @@ impl<'a> Txn<'a> {
         } else {
             m.insert("namespace".into(), Value::String(ns.to_string()));
         }
-        m.insert("uid".into(), Value::String(uuid::Uuid::new_v4().to_string()));
-        m.insert("creationTimestamp".into(), serde_json::to_value(now()).unwrap_or(Value::Null));
+        m.insert(
+            "uid".into(),
+            Value::String(uuid::Uuid::new_v4().to_string()),
+        );
+        m.insert(
+            "creationTimestamp".into(),
+            serde_json::to_value(now()).unwrap_or(Value::Null),
+        );
         m.insert("generation".into(), Value::from(1));
         m.remove("deletionTimestamp");
         m.remove("deletionGracePeriodSeconds");
@@ -277,7 +342,11 @@ impl<'a> Txn<'a> {
     fn update(&mut self, key: &ObjKey, new: Value, scope: UpdateScope) -> StoreResult<Value> {
         let old = self.get(key).ok_or_else(|| Self::not_found(key))?;
         let gk = GroupKind::new(&key.0, &key.1);
-        let conflict = |message: String| StoreError::Conflict { kind: gk.clone(), name: key.3.clone(), message };
+        let conflict = |message: String| StoreError::Conflict {
+            kind: gk.clone(),
+            name: key.3.clone(),
+            message,
+        };
         if let Some(rv) = meta_str(&new, "resourceVersion")
             && Some(rv) != meta_str(&old, "resourceVersion")
         {
@@ -325,28 +394,50 @@ impl<'a> Txn<'a> {
         let old_meta = meta(&old).cloned().unwrap_or_default();
         {
             let m = meta_mut(&mut merged);
-            for f in ["name", "namespace", "uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation"] {
+            for f in [
+                "name",
+                "namespace",
+                "uid",
+                "creationTimestamp",
+                "deletionTimestamp",
+                "deletionGracePeriodSeconds",
+                "generation",
+            ] {
                 match old_meta.get(f) {
                     Some(v) => m.insert(f.into(), v.clone()),
                     None => m.remove(f),
                 };
             }
-            m.insert("resourceVersion".into(), old_meta.get("resourceVersion").cloned().unwrap_or(Value::Null));
+            m.insert(
+                "resourceVersion".into(),
+                old_meta
+                    .get("resourceVersion")
+                    .cloned()
+                    .unwrap_or(Value::Null),
+            );
             m.remove("selfLink");
         }
         let deleting = old_meta.contains_key("deletionTimestamp");
         if deleting {
             let before = finalizers(&old);
-            if let Some(added) = finalizers(&merged).into_iter().find(|f| !before.contains(f)) {
+            if let Some(added) = finalizers(&merged)
+                .into_iter()
+                .find(|f| !before.contains(f))
+            {
                 return Err(StoreError::Invalid {
                     kind: gk,
                     name: key.3.clone(),
-                    message: format!("metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers [{added:?}]"),
+                    message: format!(
+                        "metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers [{added:?}]"
+                    ),
                 });
             }
         }
         if spec_part(&merged) != spec_part(&old) {
-            let g = old_meta.get("generation").and_then(Value::as_i64).unwrap_or(1);
+            let g = old_meta
+                .get("generation")
+                .and_then(Value::as_i64)
+                .unwrap_or(1);
             meta_mut(&mut merged).insert("generation".into(), Value::from(g + 1));
         }
         if merged == *old {
@@ -363,11 +454,18 @@ impl<'a> Txn<'a> {
     fn delete(&mut self, key: &ObjKey, opts: &DeleteOptions) -> StoreResult<(Value, bool)> {
         let old = self.get(key).ok_or_else(|| Self::not_found(key))?;
         let gk = GroupKind::new(&key.0, &key.1);
-        let conflict = |message: String| StoreError::Conflict { kind: gk.clone(), name: key.3.clone(), message };
+        let conflict = |message: String| StoreError::Conflict {
+            kind: gk.clone(),
+            name: key.3.clone(),
+            message,
+        };
         if let Some(uid) = &opts.uid
             && Some(uid.as_str()) != meta_str(&old, "uid")
         {
-            return Err(conflict(format!("Precondition failed: UID in precondition: {uid}, UID in object meta: {}", meta_str(&old, "uid").unwrap_or(""))));
+            return Err(conflict(format!(
+                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
+                meta_str(&old, "uid").unwrap_or("")
+            )));
         }
         if let Some(rv) = &opts.resource_version
             && Some(rv.as_str()) != meta_str(&old, "resourceVersion")
@@ -378,14 +476,23 @@ impl<'a> Txn<'a> {
             )));
         }
         let uid = meta_str(&old, "uid").unwrap_or("").to_string();
-        let dependents: Vec<(ObjKey, Arc<Value>)> =
-            if uid.is_empty() { Vec::new() } else { self.all().into_iter().filter(|(_, o)| owner_uids(o).contains(&uid)).collect() };
+        let dependents: Vec<(ObjKey, Arc<Value>)> = if uid.is_empty() {
+            Vec::new()
+        } else {
+            self.all()
+                .into_iter()
+                .filter(|(_, o)| owner_uids(o).contains(&uid))
+                .collect()
+        };
         let mut fins = finalizers(&old);
         match opts.propagation {
             Propagation::Orphan => {
                 for (dk, d) in dependents {
                     let mut d = (*d).clone();
-                    if let Some(refs) = meta_mut(&mut d).get_mut("ownerReferences").and_then(Value::as_array_mut) {
+                    if let Some(refs) = meta_mut(&mut d)
+                        .get_mut("ownerReferences")
+                        .and_then(Value::as_array_mut)
+                    {
                         refs.retain(|r| r.get("uid").and_then(Value::as_str) != Some(uid.as_str()));
                         if refs.is_empty() {
                             meta_mut(&mut d).remove("ownerReferences");
@@ -394,10 +501,10 @@ impl<'a> Txn<'a> {
                     self.put(&dk, d, EventType::Modified);
                 }
             }
-            Propagation::Foreground if !dependents.is_empty() => {
-                if !fins.iter().any(|f| f == FOREGROUND) {
-                    fins.push(FOREGROUND.to_string());
-                }
+            Propagation::Foreground
+                if !dependents.is_empty() && !fins.iter().any(|f| f == FOREGROUND) =>
+            {
+                fins.push(FOREGROUND.to_string());
             }
             _ => {}
         }
@@ -416,7 +523,10 @@ impl<'a> Txn<'a> {
             let mut o = (*old).clone();
             set_finalizers(&mut o, &fins);
             let m = meta_mut(&mut o);
-            m.insert("deletionTimestamp".into(), serde_json::to_value(now()).unwrap_or(Value::Null));
+            m.insert(
+                "deletionTimestamp".into(),
+                serde_json::to_value(now()).unwrap_or(Value::Null),
+            );
             m.insert("deletionGracePeriodSeconds".into(), Value::from(0));
             let o = self.put(key, o, EventType::Modified);
             if opts.propagation == Propagation::Foreground {
@@ -456,8 +566,12 @@ impl<'a> Txn<'a> {
         }
         // Owners in foreground deletion whose last dependent this was.
         for owner_uid in owner_uids(gone) {
-            let Some(okey) = self.key_for_uid(&owner_uid) else { continue };
-            let Some(owner) = self.get(&okey) else { continue };
+            let Some(okey) = self.key_for_uid(&owner_uid) else {
+                continue;
+            };
+            let Some(owner) = self.get(&okey) else {
+                continue;
+            };
             let fins = finalizers(&owner);
             if fins.iter().any(|f| f == FOREGROUND) && dependents_of(self, &owner_uid).is_empty() {
                 let mut o = (*owner).clone();
@@ -471,7 +585,12 @@ impl<'a> Txn<'a> {
             && gone.get("apiVersion").and_then(Value::as_str) == Some("v1")
             && let Some(ns) = meta_str(gone, "name")
         {
-            let inside: Vec<ObjKey> = self.all().into_iter().filter(|(k, _)| k.2 == ns).map(|(k, _)| k).collect();
+            let inside: Vec<ObjKey> = self
+                .all()
+                .into_iter()
+                .filter(|(k, _)| k.2 == ns)
+                .map(|(k, _)| k)
+                .collect();
             self.delete_dependents(&inside)?;
         }
         Ok(())
@@ -494,12 +613,19 @@ fn dependents_of(txn: &Txn<'_>, uid: &str) -> Vec<ObjKey> {
     if uid.is_empty() {
         return Vec::new();
     }
-    txn.all().into_iter().filter(|(_, o)| owner_uids(o).iter().any(|u| u == uid)).map(|(k, _)| k).collect()
+    txn.all()
+        .into_iter()
+        .filter(|(_, o)| owner_uids(o).iter().any(|u| u == uid))
+        .map(|(k, _)| k)
+        .collect()
 }
 
 /// Continue tokens: hex of `namespace/name` of the last item returned.
 fn encode_continue(key: &ObjKey) -> String {
-    format!("{}/{}", key.2, key.3).bytes().map(|b| format!("{b:02x}")).collect()
+    format!("{}/{}", key.2, key.3)
+        .bytes()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn decode_continue(token: &str) -> StoreResult<(String, String)> {
@@ -507,7 +633,10 @@ fn decode_continue(token: &str) -> StoreResult<(String, String)> {
     if !token.len().is_multiple_of(2) || token.len() > 1024 {
         return Err(bad());
     }
-    let bytes: Result<Vec<u8>, _> = (0..token.len()).step_by(2).map(|i| u8::from_str_radix(&token[i..i + 2], 16)).collect();
+    let bytes: Result<Vec<u8>, _> = (0..token.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&token[i..i + 2], 16))
+        .collect();
     let s = String::from_utf8(bytes.map_err(|_| bad())?).map_err(|_| bad())?;
     let (ns, name) = s.split_once('/').ok_or_else(bad)?;
     Ok((ns.to_string(), name.to_string()))
@@ -523,7 +652,9 @@ struct Filter {
 
 impl Filter {
     fn in_scope(&self, key: &ObjKey) -> bool {
-        key.0 == self.gk.group && key.1 == self.gk.kind && self.namespace.as_ref().is_none_or(|ns| *ns == key.2)
+        key.0 == self.gk.group
+            && key.1 == self.gk.kind
+            && self.namespace.as_ref().is_none_or(|ns| *ns == key.2)
     }
     fn matches(&self, obj: &Value) -> bool {
         self.labels.matches_object(obj) && self.fields.matches(obj)
@@ -548,14 +679,23 @@ impl Filter {
                 }
             }
         };
-        Some(WatchEvent { type_, object: (*ev.object).clone(), resource_version: ev.rv })
+        Some(WatchEvent {
+            type_,
+            object: (*ev.object).clone(),
+            resource_version: ev.rv,
+        })
     }
 }
 
 impl<B: Backend> Core<B> {
     pub fn new(state: State, backend: B, history_limit: usize) -> Self {
         let (notify, _) = watch::channel(state.rv);
-        Self { state: Mutex::new(state), backend, notify, history_limit: history_limit.max(1) }
+        Self {
+            state: Mutex::new(state),
+            backend,
+            notify,
+            history_limit: history_limit.max(1),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -580,9 +720,19 @@ impl<B: Backend> Core<B> {
         let compacted = if drop == 0 {
             st.compacted
         } else {
-            st.history.iter().chain(events.iter()).nth(drop - 1).map(|e| e.rv).unwrap_or(st.compacted)
+            st.history
+                .iter()
+                .chain(events.iter())
+                .nth(drop - 1)
+                .map(|e| e.rv)
+                .unwrap_or(st.compacted)
         };
-        self.backend.commit(&Batch { changes: &changes, events: &events, rv, compacted })?;
+        self.backend.commit(&Batch {
+            changes: &changes,
+            events: &events,
+            rv,
+            compacted,
+        })?;
         for c in changes {
             match c {
                 Change::Put(k, v) => {
@@ -614,30 +764,79 @@ impl<B: Backend> Core<B> {
         self.write(|t| t.create((gk, ns), obj).map(|o| (*o).clone()))
     }
 
-    pub fn update(&self, gk: &GroupKind, ns: &str, obj: Value, scope: UpdateScope) -> StoreResult<Value> {
+    pub fn update(
+        &self,
+        gk: &GroupKind,
+        ns: &str,
+        obj: Value,
+        scope: UpdateScope,
+    ) -> StoreResult<Value> {
         let name = meta_str(&obj, "name")
-            .ok_or_else(|| StoreError::Invalid { kind: gk.clone(), name: String::new(), message: "metadata.name: Required value".into() })?
+            .ok_or_else(|| StoreError::Invalid {
+                kind: gk.clone(),
+                name: String::new(),
+                message: "metadata.name: Required value".into(),
+            })?
             .to_string();
         let key = (gk.group.clone(), gk.kind.clone(), ns.to_string(), name);
         self.write(|t| t.update(&key, obj, scope))
     }
 
-    pub fn delete(&self, gk: &GroupKind, ns: &str, name: &str, opts: &DeleteOptions) -> StoreResult<(Value, bool)> {
-        let key = (gk.group.clone(), gk.kind.clone(), ns.to_string(), name.to_string());
+    pub fn delete(
+        &self,
+        gk: &GroupKind,
+        ns: &str,
+        name: &str,
+        opts: &DeleteOptions,
+    ) -> StoreResult<(Value, bool)> {
+        let key = (
+            gk.group.clone(),
+            gk.kind.clone(),
+            ns.to_string(),
+            name.to_string(),
+        );
         self.write(|t| t.delete(&key, opts))
     }
 
     pub fn get(&self, gk: &GroupKind, ns: &str, name: &str) -> StoreResult<Value> {
-        let key = (gk.group.clone(), gk.kind.clone(), ns.to_string(), name.to_string());
+        let key = (
+            gk.group.clone(),
+            gk.kind.clone(),
+            ns.to_string(),
+            name.to_string(),
+        );
         let st = self.lock();
-        st.objects.get(&key).map(|o| (**o).clone()).ok_or_else(|| Txn::not_found(&key))
+        st.objects
+            .get(&key)
+            .map(|o| (**o).clone())
+            .ok_or_else(|| Txn::not_found(&key))
     }
 
-    pub fn list(&self, gk: &GroupKind, ns: Option<&str>, opts: &ListOptions) -> StoreResult<ObjectList> {
-        let start = opts.continue_token.as_deref().map(decode_continue).transpose()?;
+    pub fn list(
+        &self,
+        gk: &GroupKind,
+        ns: Option<&str>,
+        opts: &ListOptions,
+    ) -> StoreResult<ObjectList> {
+        let start = opts
+            .continue_token
+            .as_deref()
+            .map(decode_continue)
+            .transpose()?;
         let st = self.lock();
-        let lo = (gk.group.clone(), gk.kind.clone(), ns.unwrap_or("").to_string(), String::new());
-        let filter = Filter { gk: gk.clone(), namespace: ns.map(str::to_string), labels: opts.labels.clone(), fields: opts.fields.clone(), progress: false };
+        let lo = (
+            gk.group.clone(),
+            gk.kind.clone(),
+            ns.unwrap_or("").to_string(),
+            String::new(),
+        );
+        let filter = Filter {
+            gk: gk.clone(),
+            namespace: ns.map(str::to_string),
+            labels: opts.labels.clone(),
+            fields: opts.fields.clone(),
+            progress: false,
+        };
         let mut items = Vec::new();
         let mut last_key = None;
         let mut remaining = 0u64;
@@ -665,8 +864,17 @@ impl<B: Backend> Core<B> {
             items.push((**o).clone());
             last_key = Some(k.clone());
         }
-        let continue_token = if remaining > 0 { last_key.as_ref().map(encode_continue) } else { None };
-        Ok(ObjectList { items, resource_version: st.rv, continue_token, remaining: (remaining > 0).then_some(remaining) })
+        let continue_token = if remaining > 0 {
+            last_key.as_ref().map(encode_continue)
+        } else {
+            None
+        };
+        Ok(ObjectList {
+            items,
+            resource_version: st.rv,
+            continue_token,
+            remaining: (remaining > 0).then_some(remaining),
+        })
     }
 
     pub fn resource_version(&self) -> u64 {
@@ -677,7 +885,12 @@ impl<B: Backend> Core<B> {
         self.lock().compacted
     }
 
-    pub fn watch(self: &Arc<Self>, gk: &GroupKind, ns: Option<&str>, opts: &WatchOptions) -> StoreResult<WatchStream> {
+    pub fn watch(
+        self: &Arc<Self>,
+        gk: &GroupKind,
+        ns: Option<&str>,
+        opts: &WatchOptions,
+    ) -> StoreResult<WatchStream> {
         let filter = Filter {
             gk: gk.clone(),
             namespace: ns.map(str::to_string),
@@ -694,13 +907,24 @@ impl<B: Backend> Core<B> {
                     let mut initial = VecDeque::new();
                     for (k, o) in &st.objects {
                         if filter.in_scope(k) && filter.matches(o) {
-                            let rv = meta_str(o, "resourceVersion").and_then(|r| r.parse().ok()).unwrap_or(st.rv);
-                            initial.push_back(WatchEvent { type_: EventType::Added, object: (**o).clone(), resource_version: rv });
+                            let rv = meta_str(o, "resourceVersion")
+                                .and_then(|r| r.parse().ok())
+                                .unwrap_or(st.rv);
+                            initial.push_back(WatchEvent {
+                                type_: EventType::Added,
+                                object: (**o).clone(),
+                                resource_version: rv,
+                            });
                         }
                     }
                     (initial, st.rv)
                 }
-                Some(rv) if rv < st.compacted => return Err(StoreError::Gone { requested: rv, oldest: st.compacted }),
+                Some(rv) if rv < st.compacted => {
+                    return Err(StoreError::Gone {
+                        requested: rv,
+                        oldest: st.compacted,
+                    });
+                }
                 Some(rv) => (VecDeque::new(), rv),
             }
         };
@@ -712,7 +936,14 @@ impl<B: Backend> Core<B> {
             rx: watch::Receiver<u64>,
             done: bool,
         }
-        let w = W { core: self.clone(), filter, pending, last_rv, rx, done: false };
+        let w = W {
+            core: self.clone(),
+            filter,
+            pending,
+            last_rv,
+            rx,
+            done: false,
+        };
         let stream = futures::stream::unfold(w, |mut w| async move {
             loop {
                 if let Some(ev) = w.pending.pop_front() {
@@ -726,7 +957,10 @@ impl<B: Backend> Core<B> {
                     let st = w.core.lock();
                     if w.last_rv < st.compacted {
                         w.done = true;
-                        let err = StoreError::Gone { requested: w.last_rv, oldest: st.compacted };
+                        let err = StoreError::Gone {
+                            requested: w.last_rv,
+                            oldest: st.compacted,
+                        };
                         drop(st);
                         return Some((Err(err), w));
                     }
@@ -737,7 +971,11 @@ impl<B: Backend> Core<B> {
                         }
                     }
                     if w.filter.progress && st.rv > w.last_rv {
-                        w.pending.push_back(WatchEvent { type_: EventType::Bookmark, object: Value::Null, resource_version: st.rv });
+                        w.pending.push_back(WatchEvent {
+                            type_: EventType::Bookmark,
+                            object: Value::Null,
+                            resource_version: st.rv,
+                        });
                     }
                     w.last_rv = w.last_rv.max(st.rv);
                 }
@@ -762,7 +1000,10 @@ mod tests {
     #[test]
     fn continue_tokens_round_trip() {
         let k = ("g".into(), "K".into(), "ns".into(), "a-b".into());
-        assert_eq!(decode_continue(&encode_continue(&k)).unwrap(), ("ns".into(), "a-b".into()));
+        assert_eq!(
+            decode_continue(&encode_continue(&k)).unwrap(),
+            ("ns".into(), "a-b".into())
+        );
         assert!(decode_continue("zz").is_err());
         assert!(decode_continue("abc").is_err());
     }

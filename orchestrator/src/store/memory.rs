@@ -37,25 +37,75 @@ macro_rules! impl_store {
     ($t:ty) => {
         #[async_trait::async_trait]
         impl $crate::store::Store for $t {
-            async fn create(&self, kind: &$crate::store::GroupKind, namespace: &str, obj: serde_json::Value) -> $crate::store::StoreResult<serde_json::Value> {
+            async fn create(
+                &self,
+                kind: &$crate::store::GroupKind,
+                namespace: &str,
+                obj: serde_json::Value,
+            ) -> $crate::store::StoreResult<serde_json::Value> {
                 let (core, kind, namespace) = (self.0.clone(), kind.clone(), namespace.to_string());
-                $crate::store::memory::run(move || core.create(&kind, &namespace, obj), Self::BLOCKING).await
+                $crate::store::memory::run(
+                    move || core.create(&kind, &namespace, obj),
+                    Self::BLOCKING,
+                )
+                .await
             }
-            async fn get(&self, kind: &$crate::store::GroupKind, namespace: &str, name: &str) -> $crate::store::StoreResult<serde_json::Value> {
+            async fn get(
+                &self,
+                kind: &$crate::store::GroupKind,
+                namespace: &str,
+                name: &str,
+            ) -> $crate::store::StoreResult<serde_json::Value> {
                 self.0.get(kind, namespace, name)
             }
-            async fn update(&self, kind: &$crate::store::GroupKind, namespace: &str, obj: serde_json::Value, scope: $crate::store::UpdateScope) -> $crate::store::StoreResult<serde_json::Value> {
+            async fn update(
+                &self,
+                kind: &$crate::store::GroupKind,
+                namespace: &str,
+                obj: serde_json::Value,
+                scope: $crate::store::UpdateScope,
+            ) -> $crate::store::StoreResult<serde_json::Value> {
                 let (core, kind, namespace) = (self.0.clone(), kind.clone(), namespace.to_string());
-                $crate::store::memory::run(move || core.update(&kind, &namespace, obj, scope), Self::BLOCKING).await
+                $crate::store::memory::run(
+                    move || core.update(&kind, &namespace, obj, scope),
+                    Self::BLOCKING,
+                )
+                .await
             }
-            async fn delete(&self, kind: &$crate::store::GroupKind, namespace: &str, name: &str, opts: &$crate::store::DeleteOptions) -> $crate::store::StoreResult<(serde_json::Value, bool)> {
-                let (core, kind, namespace, name, opts) = (self.0.clone(), kind.clone(), namespace.to_string(), name.to_string(), opts.clone());
-                $crate::store::memory::run(move || core.delete(&kind, &namespace, &name, &opts), Self::BLOCKING).await
+            async fn delete(
+                &self,
+                kind: &$crate::store::GroupKind,
+                namespace: &str,
+                name: &str,
+                opts: &$crate::store::DeleteOptions,
+            ) -> $crate::store::StoreResult<(serde_json::Value, bool)> {
+                let (core, kind, namespace, name, opts) = (
+                    self.0.clone(),
+                    kind.clone(),
+                    namespace.to_string(),
+                    name.to_string(),
+                    opts.clone(),
+                );
+                $crate::store::memory::run(
+                    move || core.delete(&kind, &namespace, &name, &opts),
+                    Self::BLOCKING,
+                )
+                .await
             }
-            async fn list(&self, kind: &$crate::store::GroupKind, namespace: Option<&str>, opts: &$crate::store::ListOptions) -> $crate::store::StoreResult<$crate::store::ObjectList> {
+            async fn list(
+                &self,
+                kind: &$crate::store::GroupKind,
+                namespace: Option<&str>,
+                opts: &$crate::store::ListOptions,
+            ) -> $crate::store::StoreResult<$crate::store::ObjectList> {
                 self.0.list(kind, namespace, opts)
             }
-            async fn watch(&self, kind: &$crate::store::GroupKind, namespace: Option<&str>, opts: &$crate::store::WatchOptions) -> $crate::store::StoreResult<$crate::store::WatchStream> {
+            async fn watch(
+                &self,
+                kind: &$crate::store::GroupKind,
+                namespace: Option<&str>,
+                opts: &$crate::store::WatchOptions,
+            ) -> $crate::store::StoreResult<$crate::store::WatchStream> {
                 self.0.watch(kind, namespace, opts)
             }
             fn resource_version(&self) -> u64 {
@@ -82,7 +132,9 @@ pub(crate) async fn run<R: Send + 'static>(
     blocking: bool,
 ) -> super::StoreResult<R> {
     if blocking && tokio::runtime::Handle::try_current().is_ok() {
-        tokio::task::spawn_blocking(f).await.map_err(|e| super::StoreError::Backend(format!("store task failed: {e}")))?
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| super::StoreError::Backend(format!("store task failed: {e}")))?
     } else {
         f()
     }

@@ -61,7 +61,10 @@ pub struct GroupKind {
 impl GroupKind {
     /// A group and kind.
     pub fn new(group: &str, kind: &str) -> Self {
-        Self { group: group.to_string(), kind: kind.to_string() }
+        Self {
+            group: group.to_string(),
+            kind: kind.to_string(),
+        }
     }
     /// The group and kind of a typed resource.
     pub fn of<K: Resource>() -> Self {
@@ -71,7 +74,11 @@ impl GroupKind {
 
 impl fmt::Display for GroupKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.group.is_empty() { write!(f, "{}", self.kind) } else { write!(f, "{}.{}", self.kind, self.group) }
+        if self.group.is_empty() {
+            write!(f, "{}", self.kind)
+        } else {
+            write!(f, "{}.{}", self.kind, self.group)
+        }
     }
 }
 
@@ -262,14 +269,36 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     async fn get(&self, kind: &GroupKind, namespace: &str, name: &str) -> StoreResult<Value>;
     /// Replaces an object (see [`UpdateScope`]); fails with `Conflict` if
     /// `metadata.resourceVersion` is set and stale.
-    async fn update(&self, kind: &GroupKind, namespace: &str, obj: Value, scope: UpdateScope) -> StoreResult<Value>;
+    async fn update(
+        &self,
+        kind: &GroupKind,
+        namespace: &str,
+        obj: Value,
+        scope: UpdateScope,
+    ) -> StoreResult<Value>;
     /// Deletes an object. Returns its last state and whether it is gone now
     /// (`false` when finalizers keep it, with `deletionTimestamp` set).
-    async fn delete(&self, kind: &GroupKind, namespace: &str, name: &str, opts: &DeleteOptions) -> StoreResult<(Value, bool)>;
+    async fn delete(
+        &self,
+        kind: &GroupKind,
+        namespace: &str,
+        name: &str,
+        opts: &DeleteOptions,
+    ) -> StoreResult<(Value, bool)>;
     /// Lists objects of a kind (in one namespace, or all when `None`).
-    async fn list(&self, kind: &GroupKind, namespace: Option<&str>, opts: &ListOptions) -> StoreResult<ObjectList>;
+    async fn list(
+        &self,
+        kind: &GroupKind,
+        namespace: Option<&str>,
+        opts: &ListOptions,
+    ) -> StoreResult<ObjectList>;
     /// Watches objects of a kind from a version.
-    async fn watch(&self, kind: &GroupKind, namespace: Option<&str>, opts: &WatchOptions) -> StoreResult<WatchStream>;
+    async fn watch(
+        &self,
+        kind: &GroupKind,
+        namespace: Option<&str>,
+        opts: &WatchOptions,
+    ) -> StoreResult<WatchStream>;
     /// The current (latest committed) resourceVersion.
     fn resource_version(&self) -> u64;
     /// The oldest version a watch can start from (older ones get `Gone`).
@@ -282,7 +311,9 @@ pub trait StoreExt: Store {
     /// Creates a typed object in its namespace (or cluster scope).
     async fn create_typed<K: Resource>(&self, obj: &K) -> StoreResult<K> {
         let ns = obj.metadata().namespace.clone().unwrap_or_default();
-        let v = self.create(&GroupKind::of::<K>(), &ns, to_value(obj)?).await?;
+        let v = self
+            .create(&GroupKind::of::<K>(), &ns, to_value(obj)?)
+            .await?;
         from_value(v)
     }
     /// Reads a typed object.
@@ -292,19 +323,40 @@ pub trait StoreExt: Store {
     /// Replaces a typed object with the given scope.
     async fn update_typed<K: Resource>(&self, obj: &K, scope: UpdateScope) -> StoreResult<K> {
         let ns = obj.metadata().namespace.clone().unwrap_or_default();
-        from_value(self.update(&GroupKind::of::<K>(), &ns, to_value(obj)?, scope).await?)
+        from_value(
+            self.update(&GroupKind::of::<K>(), &ns, to_value(obj)?, scope)
+                .await?,
+        )
     }
     /// Deletes a typed object; returns whether it is gone.
     async fn delete_typed<K: Resource>(&self, namespace: &str, name: &str) -> StoreResult<bool> {
-        Ok(self.delete(&GroupKind::of::<K>(), namespace, name, &DeleteOptions::default()).await?.1)
+        Ok(self
+            .delete(
+                &GroupKind::of::<K>(),
+                namespace,
+                name,
+                &DeleteOptions::default(),
+            )
+            .await?
+            .1)
     }
     /// Lists typed objects.
-    async fn list_typed<K: Resource>(&self, namespace: Option<&str>, opts: &ListOptions) -> StoreResult<Vec<K>> {
+    async fn list_typed<K: Resource>(
+        &self,
+        namespace: Option<&str>,
+        opts: &ListOptions,
+    ) -> StoreResult<Vec<K>> {
         let list = self.list(&GroupKind::of::<K>(), namespace, opts).await?;
         list.items.into_iter().map(from_value).collect()
     }
     /// Read-modify-write with retry on conflict (up to 16 attempts).
-    async fn modify_typed<K, F>(&self, namespace: &str, name: &str, scope: UpdateScope, mut f: F) -> StoreResult<K>
+    async fn modify_typed<K, F>(
+        &self,
+        namespace: &str,
+        name: &str,
+        scope: UpdateScope,
+        mut f: F,
+    ) -> StoreResult<K>
     where
         K: Resource,
         F: FnMut(&mut K) + Send,
@@ -334,7 +386,8 @@ fn to_value<K: Resource>(obj: &K) -> StoreResult<Value> {
 }
 
 fn from_value<K: Resource>(v: Value) -> StoreResult<K> {
-    serde_json::from_value(v).map_err(|e| StoreError::Backend(format!("stored object does not decode: {e}")))
+    serde_json::from_value(v)
+        .map_err(|e| StoreError::Backend(format!("stored object does not decode: {e}")))
 }
 
 #[cfg(test)]

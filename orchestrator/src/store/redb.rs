@@ -30,7 +30,12 @@ fn key_string(k: &ObjKey) -> String {
 
 fn parse_key(s: &str) -> Option<ObjKey> {
     let mut it = s.splitn(4, '/');
-    Some((it.next()?.to_string(), it.next()?.to_string(), it.next()?.to_string(), it.next()?.to_string()))
+    Some((
+        it.next()?.to_string(),
+        it.next()?.to_string(),
+        it.next()?.to_string(),
+        it.next()?.to_string(),
+    ))
 }
 
 fn event_json(e: &Event) -> Value {
@@ -51,8 +56,18 @@ fn parse_event(rv: u64, v: Value) -> Option<Event> {
         _ => return None,
     };
     let object = Arc::new(v.get("object")?.clone());
-    let prev = v.get("prev").filter(|p| !p.is_null()).cloned().map(Arc::new);
-    Some(Event { rv, key, type_, object, prev })
+    let prev = v
+        .get("prev")
+        .filter(|p| !p.is_null())
+        .cloned()
+        .map(Arc::new);
+    Some(Event {
+        rv,
+        key,
+        type_,
+        object,
+        prev,
+    })
 }
 
 /// redb persistence for the shared core.
@@ -70,10 +85,14 @@ impl Backend for RedbBackend {
                 match c {
                     Change::Put(k, v) => {
                         let bytes = serde_json::to_vec(&**v).map_err(backend_err)?;
-                        objects.insert(key_string(k).as_str(), bytes.as_slice()).map_err(backend_err)?;
+                        objects
+                            .insert(key_string(k).as_str(), bytes.as_slice())
+                            .map_err(backend_err)?;
                     }
                     Change::Remove(k) => {
-                        objects.remove(key_string(k).as_str()).map_err(backend_err)?;
+                        objects
+                            .remove(key_string(k).as_str())
+                            .map_err(backend_err)?;
                     }
                 }
             }
@@ -82,10 +101,13 @@ impl Backend for RedbBackend {
                 let bytes = serde_json::to_vec(&event_json(e)).map_err(backend_err)?;
                 events.insert(e.rv, bytes.as_slice()).map_err(backend_err)?;
             }
-            events.retain_in(..=batch.compacted, |_, _| false).map_err(backend_err)?;
+            events
+                .retain_in(..=batch.compacted, |_, _| false)
+                .map_err(backend_err)?;
             let mut meta = w.open_table(META).map_err(backend_err)?;
             meta.insert("rv", batch.rv).map_err(backend_err)?;
-            meta.insert("compacted", batch.compacted).map_err(backend_err)?;
+            meta.insert("compacted", batch.compacted)
+                .map_err(backend_err)?;
         }
         w.commit().map_err(backend_err)
     }
@@ -121,20 +143,31 @@ impl RedbStore {
         }
         let r = db.begin_read().map_err(backend_err)?;
         let meta = r.open_table(META).map_err(backend_err)?;
-        state.rv = meta.get("rv").map_err(backend_err)?.map(|v| v.value()).unwrap_or(0);
-        state.compacted = meta.get("compacted").map_err(backend_err)?.map(|v| v.value()).unwrap_or(0);
+        state.rv = meta
+            .get("rv")
+            .map_err(backend_err)?
+            .map(|v| v.value())
+            .unwrap_or(0);
+        state.compacted = meta
+            .get("compacted")
+            .map_err(backend_err)?
+            .map(|v| v.value())
+            .unwrap_or(0);
         let objects = r.open_table(OBJECTS).map_err(backend_err)?;
         for item in objects.iter().map_err(backend_err)? {
             let (k, v) = item.map_err(backend_err)?;
-            let key = parse_key(k.value()).ok_or_else(|| backend_err(format!("corrupt object key {:?}", k.value())))?;
-            let obj: Value = serde_json::from_slice(v.value()).map_err(|e| backend_err(format!("corrupt object {:?}: {e}", k.value())))?;
+            let key = parse_key(k.value())
+                .ok_or_else(|| backend_err(format!("corrupt object key {:?}", k.value())))?;
+            let obj: Value = serde_json::from_slice(v.value())
+                .map_err(|e| backend_err(format!("corrupt object {:?}: {e}", k.value())))?;
             state.insert_loaded(key, obj);
         }
         let evs = r.open_table(EVENTS).map_err(backend_err)?;
         for item in evs.iter().map_err(backend_err)? {
             let (k, v) = item.map_err(backend_err)?;
             let val: Value = serde_json::from_slice(v.value()).map_err(backend_err)?;
-            let ev = parse_event(k.value(), val).ok_or_else(|| backend_err(format!("corrupt event {}", k.value())))?;
+            let ev = parse_event(k.value(), val)
+                .ok_or_else(|| backend_err(format!("corrupt event {}", k.value())))?;
             state.history.push_back(ev);
         }
         // Keep only what the (possibly smaller) limit allows.

@@ -53,17 +53,25 @@ fn split_top_level(s: &str) -> Vec<&str> {
 }
 
 fn valid_key(k: &str) -> bool {
-    !k.is_empty() && k.len() <= 317 && k.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b))
+    !k.is_empty()
+        && k.len() <= 317
+        && k.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b))
 }
 
 fn valid_value(v: &str) -> bool {
-    v.len() <= 63 && v.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    v.len() <= 63
+        && v.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
 impl LabelSelector {
     /// Parses the Kubernetes label selector syntax. The empty string selects everything.
     pub fn parse(input: &str) -> Result<Self, SelectorError> {
-        let err = |reason: &str| SelectorError { input: input.to_string(), reason: reason.to_string() };
+        let err = |reason: &str| SelectorError {
+            input: input.to_string(),
+            reason: reason.to_string(),
+        };
         let mut reqs = Vec::new();
         if input.trim().is_empty() {
             return Ok(Self { reqs });
@@ -93,7 +101,11 @@ impl LabelSelector {
                     .strip_prefix('(')
                     .and_then(|r| r.strip_suffix(')'))
                     .ok_or_else(|| err("set must be in parentheses"))?;
-                let vals: Vec<String> = inner.split(',').map(|v| v.trim().to_string()).filter(|v| !v.is_empty()).collect();
+                let vals: Vec<String> = inner
+                    .split(',')
+                    .map(|v| v.trim().to_string())
+                    .filter(|v| !v.is_empty())
+                    .collect();
                 if vals.is_empty() {
                     return Err(err("empty set"));
                 }
@@ -144,9 +156,14 @@ impl LabelSelector {
         if self.reqs.is_empty() {
             return true;
         }
-        let labels: Option<BTreeMap<String, String>> = json_path(obj, "metadata.labels").and_then(|l| {
-            l.as_object().map(|m| m.iter().filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string()))).collect())
-        });
+        let labels: Option<BTreeMap<String, String>> =
+            json_path(obj, "metadata.labels").and_then(|l| {
+                l.as_object().map(|m| {
+                    m.iter()
+                        .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
+                        .collect()
+                })
+            });
         self.matches(labels.as_ref())
     }
 }
@@ -163,7 +180,10 @@ pub struct FieldSelector {
 impl FieldSelector {
     /// Parses a field selector. The empty string selects everything.
     pub fn parse(input: &str) -> Result<Self, SelectorError> {
-        let err = |reason: &str| SelectorError { input: input.to_string(), reason: reason.to_string() };
+        let err = |reason: &str| SelectorError {
+            input: input.to_string(),
+            reason: reason.to_string(),
+        };
         let mut reqs = Vec::new();
         if input.trim().is_empty() {
             return Ok(Self { reqs });
@@ -179,7 +199,11 @@ impl FieldSelector {
                 return Err(err("expected path=value or path!=value"));
             };
             let k = k.trim();
-            if k.is_empty() || !k.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-/".contains(&b)) {
+            if k.is_empty()
+                || !k
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"._-/".contains(&b))
+            {
                 return Err(err(&format!("invalid field path {k:?}")));
             }
             reqs.push((k.to_string(), eq, v.trim().to_string()));
@@ -210,16 +234,38 @@ mod tests {
     use super::*;
 
     fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
     fn label_selector_syntax() {
-        let s = LabelSelector::parse("app=web, tier in (a,b),!legacy,env!=prod,kubevirt.io/vm").unwrap();
-        assert!(s.matches(Some(&labels(&[("app", "web"), ("tier", "b"), ("kubevirt.io/vm", "x")]))));
-        assert!(!s.matches(Some(&labels(&[("app", "web"), ("tier", "c"), ("kubevirt.io/vm", "x")]))));
-        assert!(!s.matches(Some(&labels(&[("app", "web"), ("tier", "a"), ("legacy", "1"), ("kubevirt.io/vm", "x")]))));
-        assert!(!s.matches(Some(&labels(&[("app", "web"), ("tier", "a"), ("env", "prod"), ("kubevirt.io/vm", "x")]))));
+        let s = LabelSelector::parse("app=web, tier in (a,b),!legacy,env!=prod,kubevirt.io/vm")
+            .unwrap();
+        assert!(s.matches(Some(&labels(&[
+            ("app", "web"),
+            ("tier", "b"),
+            ("kubevirt.io/vm", "x")
+        ]))));
+        assert!(!s.matches(Some(&labels(&[
+            ("app", "web"),
+            ("tier", "c"),
+            ("kubevirt.io/vm", "x")
+        ]))));
+        assert!(!s.matches(Some(&labels(&[
+            ("app", "web"),
+            ("tier", "a"),
+            ("legacy", "1"),
+            ("kubevirt.io/vm", "x")
+        ]))));
+        assert!(!s.matches(Some(&labels(&[
+            ("app", "web"),
+            ("tier", "a"),
+            ("env", "prod"),
+            ("kubevirt.io/vm", "x")
+        ]))));
         let n = LabelSelector::parse("tier notin (a)").unwrap();
         assert!(n.matches(None));
         assert!(LabelSelector::parse("").unwrap().matches(None));
@@ -235,9 +281,21 @@ mod tests {
     #[test]
     fn field_selectors() {
         let obj = serde_json::json!({"metadata": {"name": "a"}, "status": {"nodeName": "n1", "ready": true}});
-        assert!(FieldSelector::parse("metadata.name=a,status.nodeName==n1").unwrap().matches(&obj));
-        assert!(FieldSelector::parse("status.ready=true").unwrap().matches(&obj));
-        assert!(!FieldSelector::parse("status.nodeName!=n1").unwrap().matches(&obj));
+        assert!(
+            FieldSelector::parse("metadata.name=a,status.nodeName==n1")
+                .unwrap()
+                .matches(&obj)
+        );
+        assert!(
+            FieldSelector::parse("status.ready=true")
+                .unwrap()
+                .matches(&obj)
+        );
+        assert!(
+            !FieldSelector::parse("status.nodeName!=n1")
+                .unwrap()
+                .matches(&obj)
+        );
         assert!(FieldSelector::parse("status.phase=").unwrap().matches(&obj));
         assert!(FieldSelector::parse("nonsense").is_err());
     }

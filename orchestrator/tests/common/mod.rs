@@ -23,7 +23,10 @@ pub struct TestServer {
     pub store: Arc<dyn Store>,
 }
 
-pub async fn start_with(store: Arc<dyn Store>, tweak: impl FnOnce(&mut ApiServerConfig)) -> TestServer {
+pub async fn start_with(
+    store: Arc<dyn Store>,
+    tweak: impl FnOnce(&mut ApiServerConfig),
+) -> TestServer {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = ApiServerConfig::new(dir.path());
     cfg.listen = "127.0.0.1:0".parse().unwrap();
@@ -50,7 +53,8 @@ pub struct Reply {
 
 impl Reply {
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 }
 
@@ -60,12 +64,18 @@ impl Client {
         for c in CertificateDer::pem_slice_iter(ts.server.ca_pem.as_bytes()) {
             roots.add(c.unwrap()).unwrap();
         }
-        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        Self { addr: ts.server.addr, tls: tokio_rustls::TlsConnector::from(Arc::new(cfg)), token: Some(ts.server.tokens.admin.clone()) }
+        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        Self {
+            addr: ts.server.addr,
+            tls: tokio_rustls::TlsConnector::from(Arc::new(cfg)),
+            token: Some(ts.server.tokens.admin.clone()),
+        }
     }
 
     pub fn with_token(mut self, t: Option<&str>) -> Self {
@@ -75,16 +85,32 @@ impl Client {
 
     pub async fn connect(&self) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
         let tcp = tokio::net::TcpStream::connect(self.addr).await.unwrap();
-        let tls = self.tls.connect(ServerName::try_from("localhost").unwrap(), tcp).await.unwrap();
-        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls)).await.unwrap();
+        let tls = self
+            .tls
+            .connect(ServerName::try_from("localhost").unwrap(), tcp)
+            .await
+            .unwrap();
+        let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+            .await
+            .unwrap();
         tokio::spawn(async move {
             let _ = conn.await;
         });
         send
     }
 
-    pub fn build(&self, method: &str, path: &str, ct: Option<&str>, body: impl Into<Bytes>, accept: Option<&str>) -> Request<Full<Bytes>> {
-        let mut b = Request::builder().method(method).uri(path).header("host", "localhost");
+    pub fn build(
+        &self,
+        method: &str,
+        path: &str,
+        ct: Option<&str>,
+        body: impl Into<Bytes>,
+        accept: Option<&str>,
+    ) -> Request<Full<Bytes>> {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "localhost");
         if let Some(t) = &self.token {
             b = b.header("authorization", format!("Bearer {t}"));
         }
@@ -97,16 +123,29 @@ impl Client {
         b.body(Full::new(body.into())).unwrap()
     }
 
-    pub async fn send_on(send: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>, req: Request<Full<Bytes>>) -> Reply {
+    pub async fn send_on(
+        send: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+        req: Request<Full<Bytes>>,
+    ) -> Reply {
         send.ready().await.unwrap();
         let resp: Response<Incoming> = send.send_request(req).await.unwrap();
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
         let body = resp.into_body().collect().await.unwrap().to_bytes();
-        Reply { status, headers, body }
+        Reply {
+            status,
+            headers,
+            body,
+        }
     }
 
-    pub async fn req(&self, method: &str, path: &str, ct: Option<&str>, body: impl Into<Bytes>) -> Reply {
+    pub async fn req(
+        &self,
+        method: &str,
+        path: &str,
+        ct: Option<&str>,
+        body: impl Into<Bytes>,
+    ) -> Reply {
         let mut s = self.connect().await;
         Self::send_on(&mut s, self.build(method, path, ct, body, None)).await
     }
@@ -116,14 +155,23 @@ impl Client {
     }
 
     pub async fn post_json(&self, path: &str, v: &Value) -> Reply {
-        self.req("POST", path, Some("application/json"), serde_json::to_vec(v).unwrap()).await
+        self.req(
+            "POST",
+            path,
+            Some("application/json"),
+            serde_json::to_vec(v).unwrap(),
+        )
+        .await
     }
 
     /// Opens a watch; returns a receiver of parsed event lines.
     pub async fn watch(&self, path: &str) -> tokio::sync::mpsc::UnboundedReceiver<Value> {
         let mut s = self.connect().await;
         s.ready().await.unwrap();
-        let resp = s.send_request(self.build("GET", path, None, Bytes::new(), None)).await.unwrap();
+        let resp = s
+            .send_request(self.build("GET", path, None, Bytes::new(), None))
+            .await
+            .unwrap();
         assert_eq!(resp.status().as_u16(), 200);
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
@@ -149,9 +197,16 @@ impl Client {
 }
 
 pub async fn recv(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Value>) -> Value {
-    tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.expect("watch event in time").expect("watch open")
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("watch event in time")
+        .expect("watch open")
 }
 
 pub fn manifest(name: &str) -> String {
-    std::fs::read_to_string(format!("{}/tests/manifests/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+    std::fs::read_to_string(format!(
+        "{}/tests/manifests/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap()
 }

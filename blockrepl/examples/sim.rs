@@ -35,6 +35,9 @@ struct Args {
     /// skip-read-fencing, source-by-id.
     #[arg(long)]
     bug: Option<String>,
+    /// Run the workload without injected faults.
+    #[arg(long)]
+    no_faults: bool,
     /// Print every violation.
     #[arg(short, long)]
     verbose: bool,
@@ -72,6 +75,7 @@ fn main() {
         let next = next.clone();
         let totals = totals.clone();
         let verbose = args.verbose || args.seed.is_some();
+        let no_faults = args.no_faults;
         handles.push(std::thread::spawn(move || {
             loop {
                 let s = next.fetch_add(1, Ordering::Relaxed);
@@ -80,6 +84,7 @@ fn main() {
                 }
                 let mut cfg = SimConfig::new(s);
                 cfg.bugs = bugs;
+                cfg.faults = !no_faults;
                 let r = run(cfg);
                 let mut t = totals.lock().unwrap();
                 t.0 += 1;

@@ -27,6 +27,9 @@ pub struct ReplicaCore {
     session: Option<u64>,
     /// Position the running rebuild started at.
     rebuild_start: Tag,
+    /// An engine attached to this incarnation. A restarted replica may have
+    /// lost unflushed writes, so it serves nobody until attached again.
+    attached: bool,
 }
 
 impl std::fmt::Debug for ReplicaCore {
@@ -50,6 +53,7 @@ impl ReplicaCore {
             reopen,
             session: None,
             rebuild_start: Tag::default(),
+            attached: false,
         }
     }
 
@@ -72,6 +76,7 @@ impl ReplicaCore {
     fn fault(&mut self, e: &Error) -> Response {
         warn!(error = %e, "replica faulted; store will be reopened on next attach");
         self.store = None;
+        self.attached = false;
         self.session = None;
         refused(Refusal::Faulted)
     }
@@ -97,6 +102,9 @@ impl ReplicaCore {
         if matches!(req, Request::Probe | Request::Attach { .. }) && !self.ensure_open() {
             return refused(Refusal::Faulted);
         }
+        if !self.attached && !matches!(req, Request::Probe | Request::Attach { .. }) {
+            return refused(Refusal::Faulted);
+        }
         let Some(store) = self.store.as_mut() else {
             return refused(Refusal::Faulted);
         };
@@ -113,8 +121,10 @@ impl ReplicaCore {
                         return self.fault(&e);
                     }
                     self.session = None;
+                    self.attached = true;
                     Response::Info(store.info())
                 } else if epoch == info.epoch && engine == info.engine {
+                    self.attached = true;
                     Response::Info(info)
                 } else {
                     stale

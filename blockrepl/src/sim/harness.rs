@@ -993,6 +993,14 @@ impl Sim {
                 let a = &first[k];
                 let bad = |t: &BlockTag| matches!(t, BlockTag::Present { valid: false, .. });
                 if a != v || bad(&a.0) || bad(&v.0) {
+                    if div == 0 {
+                        report.violations.push(format!(
+                            "replica copy differs at (layer, block) {k:?}: {:?} vs {:?} (data equal: {})",
+                            a.0,
+                            v.0,
+                            a.1 == v.1
+                        ));
+                    }
                     div += 1;
                 }
             }

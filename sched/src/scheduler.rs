@@ -322,19 +322,22 @@ impl Scheduler {
         };
 
         // Candidates: all slots, or the intersection of narrowed lists.
-        let candidates: Option<Vec<u32>> = narrowed.iter().fold(None, |acc, (slots, _)| {
-            Some(match acc {
-                None => slots.clone(),
-                Some(prev) => prev
-                    .into_iter()
-                    .filter(|s| slots.binary_search(s).is_ok())
-                    .collect(),
-            })
+        let intersection: Option<Vec<u32>> = (narrowed.len() > 1).then(|| {
+            let mut acc = narrowed[0].0.clone();
+            for (slots, _) in &narrowed[1..] {
+                acc.retain(|s| slots.binary_search(s).is_ok());
+            }
+            acc
         });
+        let candidates: Option<&[u32]> = match narrowed.as_slice() {
+            [] => None,
+            [(only, _)] => Some(only),
+            _ => intersection.as_deref(),
+        };
 
         // Filter, on a rotating sample.
         let total_nodes = snap.node_count();
-        let n_cand = candidates.as_ref().map_or(total_nodes, Vec::len);
+        let n_cand = candidates.map_or(total_nodes, <[u32]>::len);
         let to_find = num_feasible_nodes_to_find(profile.percentage_of_nodes_to_score, n_cand);
         let feasible = &mut scratch.feasible;
         let failed = &mut scratch.failed;
@@ -362,7 +365,7 @@ impl Scheduler {
                 }
             };
             // Visit [start, end) then [0, start) without a division per node.
-            match &candidates {
+            match candidates {
                 None => {
                     let _ = (start..slots).chain(0..start).any(|s| visit(s as u32));
                 }
@@ -379,7 +382,7 @@ impl Scheduler {
 
         if feasible.is_empty() {
             // Nodes the indexes excluded fail with their plugin's reason.
-            if let Some(cand) = &candidates {
+            if let Some(cand) = candidates {
                 for n in snap.nodes() {
                     if cand.binary_search(&n.slot).is_ok() {
                         continue;

@@ -469,16 +469,29 @@ impl ClusterSnapshot {
     /// (from the `(key, value) -> nodes` index).
     pub(crate) fn nodes_in_domains(&self, key: Sym, col: usize, domains: &[u32]) -> Vec<u32> {
         let column = &self.columns[col];
-        let mut out: Vec<u32> = domains
-            .iter()
-            .filter_map(|&d| {
-                self.node_pairs
-                    .get(&(key, column.domain_values[d as usize]))
-            })
-            .flatten()
-            .copied()
-            .collect();
-        out.sort_unstable();
+        let lists = domains.iter().filter_map(|&d| {
+            self.node_pairs
+                .get(&(key, column.domain_values[d as usize]))
+        });
+        // Merge the sorted per-domain lists through a bitset: O(slots / 64 +
+        // nodes), no sort.
+        let mut bits = vec![0u64; self.nodes.len().div_ceil(64)];
+        let mut count = 0;
+        for list in lists {
+            count += list.len();
+            for &s in list {
+                bits[s as usize / 64] |= 1 << (s % 64);
+            }
+        }
+        let mut out = Vec::with_capacity(count);
+        for (w, &word) in bits.iter().enumerate() {
+            let mut word = word;
+            while word != 0 {
+                let b = word.trailing_zeros();
+                out.push(w as u32 * 64 + b);
+                word &= word - 1;
+            }
+        }
         out
     }
 

@@ -100,6 +100,9 @@ impl RequiredNodeAffinity {
 }
 
 fn union(snap: &ClusterSnapshot, k: crate::intern::Sym, vs: &[crate::intern::Sym]) -> Vec<u32> {
+    if let [v] = vs {
+        return snap.node_pairs.get(&(k, *v)).cloned().unwrap_or_default();
+    }
     let mut v: Vec<u32> = vs
         .iter()
         .filter_map(|&v| snap.node_pairs.get(&(k, v)))

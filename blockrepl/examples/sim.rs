@@ -93,6 +93,15 @@ fn main() {
                 t.3 += r.violations.len() as u64;
                 t.4 += r.acked_lost;
                 t.5 += r.divergent;
+                if verbose {
+                    println!(
+                        "seed {s}: sim time {} ms, ops ok {}, faults {}, failovers {}",
+                        r.sim_time / 1000,
+                        r.ops_ok,
+                        r.faults,
+                        r.failovers
+                    );
+                }
                 if !r.violations.is_empty() {
                     t.6.push(s);
                     if verbose {

@@ -297,6 +297,9 @@ enum Ctx {
     Ping {
         op: OpId,
     },
+    RbFlush {
+        session: u64,
+    },
     RbBegin {
         session: u64,
     },
@@ -324,6 +327,7 @@ enum Ctx {
         bad_on: ReplicaId,
         layer: u64,
         lba: u64,
+        skip: usize,
     },
     Repair,
     Detach,
@@ -1500,6 +1504,7 @@ impl Engine {
                 }
                 self.check_read(op);
             }
+            Ctx::RbFlush { session } => self.rb_send_begin(session),
             Ctx::RbBegin { session } => self.rb_begun(session, resp),
             Ctx::RbTags {
                 session,
@@ -1515,7 +1520,13 @@ impl Engine {
             }
             Ctx::RbEnd { session } => self.rb_end(session, resp),
             Ctx::ScrubTags { op, chunk } => self.scrub_tags(op, chunk, from, resp),
-            Ctx::RepairRead { bad_on, layer, lba } => {
+            Ctx::RepairRead {
+                bad_on,
+                layer,
+                lba,
+                skip,
+            } => {
+                let mut repaired = false;
                 if let Response::Layer(v) = resp
                     && let Some((t, d)) = v.into_iter().next()
                 {
@@ -1549,7 +1560,12 @@ impl Engine {
                         };
                         self.status.repairs += 1;
                         self.send(bad_on, req, Ctx::Repair);
+                        repaired = true;
                     }
+                }
+                if !repaired && self.peers[bad_on].link == Link::Attached {
+                    // That copy was bad too (or gone): try the next replica.
+                    self.schedule_repair_from(bad_on, layer, lba, skip + 1);
                 }
             }
             Ctx::Repair => {}
@@ -1692,19 +1708,34 @@ impl Engine {
                 incomplete: false,
                 ending: false,
             });
-            let req = Request::RebuildBegin {
-                epoch: self.epoch,
-                session,
-                start,
-                size_blocks: self.size_blocks,
-                layers: self.layers.clone(),
-            };
-            // `began` is set now: every op issued from here on goes to the target.
-            if let Some(rb) = self.rebuilds.last_mut() {
-                rb.began = true;
-            }
-            self.send(r, req, Ctx::RbBegin { session });
+            // Make the source's copy durable before the target's copy is
+            // invalidated: the target may be the only other holder of
+            // acknowledged but unflushed writes.
+            let epoch = self.epoch;
+            self.send(source, Request::Flush { epoch }, Ctx::RbFlush { session });
         }
+    }
+
+    /// The source is flushed: start the rebuild proper. Every op issued from
+    /// here on also goes to the target.
+    fn rb_send_begin(&mut self, session: u64) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let start = self.position;
+        let rb = &mut self.rebuilds[i];
+        rb.start = start;
+        rb.began = true;
+        rb.layers = self.layers.iter().map(|l| l.id).collect();
+        let target = rb.target;
+        let req = Request::RebuildBegin {
+            epoch: self.epoch,
+            session,
+            start,
+            size_blocks: self.size_blocks,
+            layers: self.layers.clone(),
+        };
+        self.send(target, req, Ctx::RbBegin { session });
     }
 
     fn rb_index(&self, session: u64) -> Option<usize> {
@@ -1736,7 +1767,7 @@ impl Engine {
         };
         let source = self.rebuilds[i].source;
         // The source must hold every op up to the start before copying.
-        if self.peers[source].acked < self.rebuilds[i].start {
+        if !self.rebuilds[i].began || self.peers[source].acked < self.rebuilds[i].start {
             return;
         }
         let chunk_n = self.cfg.rebuild_chunk.clamp(1, MAX_IO_BLOCKS as u32);
@@ -1961,7 +1992,16 @@ impl Engine {
     /// Sends a repair for `lba` in `layer` on replica `bad_on`, reading the
     /// good copy from another active replica.
     fn schedule_repair(&mut self, bad_on: ReplicaId, layer: u64, lba: u64) {
-        let from = self.ids(Role::Active).into_iter().find(|&r| r != bad_on);
+        self.schedule_repair_from(bad_on, layer, lba, 0);
+    }
+
+    /// Reads the good copy from the `skip`-th other active replica.
+    fn schedule_repair_from(&mut self, bad_on: ReplicaId, layer: u64, lba: u64, skip: usize) {
+        let from = self
+            .ids(Role::Active)
+            .into_iter()
+            .filter(|&r| r != bad_on)
+            .nth(skip);
         if let Some(from) = from {
             let req = Request::ReadLayer {
                 epoch: self.epoch,
@@ -1970,7 +2010,16 @@ impl Engine {
                 blocks: 1,
                 data: true,
             };
-            self.send(from, req, Ctx::RepairRead { bad_on, layer, lba });
+            self.send(
+                from,
+                req,
+                Ctx::RepairRead {
+                    bad_on,
+                    layer,
+                    lba,
+                    skip,
+                },
+            );
         }
     }
 

@@ -211,11 +211,12 @@ impl StoreFile for SimFile {
         let st = self.disk.lock();
         let first = off / SECTOR;
         let last = (off + buf.len() as u64).div_ceil(SECTOR);
-        if st
-            .latent
-            .range((self.name.clone(), first)..(self.name.clone(), last))
-            .next()
-            .is_some()
+        if !st.latent.is_empty()
+            && st
+                .latent
+                .range((self.name.clone(), first)..(self.name.clone(), last))
+                .next()
+                .is_some()
         {
             return Err(io::Error::other("latent sector error"));
         }
@@ -223,10 +224,10 @@ impl StoreFile for SimFile {
             .files
             .get(&self.name)
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "file removed"))?;
-        let o = off as usize;
-        for (i, b) in buf.iter_mut().enumerate() {
-            *b = f.current.get(o + i).copied().unwrap_or(0);
-        }
+        let o = (off as usize).min(f.current.len());
+        let n = (f.current.len() - o).min(buf.len());
+        buf[..n].copy_from_slice(&f.current[o..o + n]);
+        buf[n..].fill(0);
         Ok(())
     }
 
@@ -249,11 +250,14 @@ impl StoreFile for SimFile {
         let first = off / SECTOR;
         let last = (off + buf.len() as u64).div_ceil(SECTOR);
         let name = self.name.clone();
-        let gone: Vec<(String, u64)> = st
-            .latent
-            .range((name.clone(), first)..(name, last))
-            .cloned()
-            .collect();
+        let gone: Vec<(String, u64)> = if st.latent.is_empty() {
+            Vec::new()
+        } else {
+            st.latent
+                .range((name.clone(), first)..(name, last))
+                .cloned()
+                .collect()
+        };
         for g in gone {
             st.latent.remove(&g);
         }

@@ -318,8 +318,10 @@ impl Sim {
         // Phase 2: heal.
         self.heal();
         let deadline = self.now + 20_000_000;
+        let mut n = 0u64;
         while self.now < deadline {
-            if self.converged() {
+            n += 1;
+            if n % 32 == 0 && self.converged() {
                 break;
             }
             if !self.step() {
@@ -475,7 +477,12 @@ impl Sim {
             }
             Ev::Tick { eg } => {
                 let g = eg as usize;
-                if !self.engines[g].alive {
+                if !self.engines[g].alive
+                    || matches!(
+                        self.engines[g].engine.phase(),
+                        Phase::Fenced | Phase::Detached
+                    )
+                {
                     return;
                 }
                 if self.engine_paused(eg) {

@@ -123,7 +123,8 @@ async fn kubectl_end_to_end() {
 
         // explain reads the OpenAPI v3 schema.
         let ex = k.ok(&["explain", "vm.spec.runStrategy"]);
-        assert!(ex.contains("mutually exclusive with `running`"), "{ex}");
+        assert!(ex.contains("mutually exclusive with `running`") && ex.contains("runStrategy <string>"), "{ex}");
+        assert!(ex.contains("RerunOnFailure"), "{ex}");
 
         // get -w: sees a status change made while watching.
         let mut watcher = k.cmd(&["get", "vmi", "-w", "--request-timeout=20s"]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();

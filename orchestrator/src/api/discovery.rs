@@ -178,6 +178,50 @@ fn schema_key(k: &KindInfo, name: &str) -> String {
     format!("{prefix}.{}.{name}", k.version)
 }
 
+/// Rewrites schemars output into Kubernetes' structural style: `Option<T>`'s
+/// `anyOf [T, null]` becomes `T` with `nullable`, and a `oneOf` of
+/// single-value string enums (documented enum variants) becomes one
+/// `type: string` + `enum`, which `kubectl explain` and CRD validation expect.
+pub fn structural(v: &mut Value) {
+    match v {
+        Value::Array(a) => a.iter_mut().for_each(structural),
+        Value::Object(m) => {
+            m.values_mut().for_each(structural);
+            if let Some(Value::Array(any)) = m.get("anyOf") {
+                let non_null: Vec<&Value> = any.iter().filter(|s| s.get("enum") != Some(&json!([null]))).collect();
+                if non_null.len() == 1 && any.len() == 2 {
+                    let inner = non_null[0].clone();
+                    m.remove("anyOf");
+                    if let Value::Object(im) = inner {
+                        for (k, val) in im {
+                            if k == "description" && m.contains_key("description") {
+                                continue;
+                            }
+                            m.insert(k, val);
+                        }
+                    }
+                    m.insert("nullable".into(), Value::Bool(true));
+                }
+            }
+            if let Some(Value::Array(one)) = m.get("oneOf") {
+                let values: Option<Vec<Value>> = one
+                    .iter()
+                    .map(|s| match (s.get("type"), s.get("enum").and_then(Value::as_array)) {
+                        (Some(t), Some(e)) if t == "string" && e.len() == 1 => Some(e[0].clone()),
+                        _ => s.get("const").cloned(),
+                    })
+                    .collect();
+                if let Some(values) = values {
+                    m.remove("oneOf");
+                    m.insert("type".into(), json!("string"));
+                    m.insert("enum".into(), Value::Array(values));
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
 /// The OpenAPI v3 document of one group/version.
 pub fn openapi_v3_group(reg: &Registry, group: &str, version: &str) -> Option<Value> {
     let kinds: Vec<&KindInfo> = reg
@@ -253,6 +297,9 @@ pub fn openapi_v3_group(reg: &Registry, group: &str, version: &str) -> Option<Va
                 }),
             );
         }
+    }
+    for schema in schemas.values_mut() {
+        structural(schema);
     }
     let title = if group.is_empty() {
         "Kubernetes core".to_string()
@@ -343,6 +390,9 @@ mod tests {
                 "dangling $ref {name}"
             );
         }
+        let rs = &doc["components"]["schemas"]["VirtualMachineSpec"]["properties"]["runStrategy"];
+        assert_eq!(rs["type"], "string", "{rs}");
+        assert_eq!(rs["enum"], json!(["Always", "RerunOnFailure", "Once", "Manual", "Halted"]));
         let ns = openapi_v3_group(&reg, "", "v1").unwrap();
         assert!(
             ns["components"]["schemas"]

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 /// `True`, `False` or `Unknown`, as in every Kubernetes condition.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[schemars(inline)]
 pub enum ConditionStatus {
     /// The condition holds.
     True,

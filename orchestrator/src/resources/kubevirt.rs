@@ -31,6 +31,7 @@ pub struct Empty {}
 
 /// How a VirtualMachine's instance is kept running.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 pub enum RunStrategy {
     /// An instance always runs; it is restarted whenever it stops.
     Always,
@@ -379,6 +380,7 @@ pub struct VirtualMachineInstanceSpec {
 
 /// Eviction behaviour on node drain.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 pub enum EvictionStrategy {
     /// Stop the instance.
     None,
@@ -392,6 +394,7 @@ pub enum EvictionStrategy {
 
 /// Start strategy.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 pub enum StartStrategy {
     /// Start with vCPUs paused.
     Paused,
@@ -562,6 +565,7 @@ pub struct DiskTarget {
 /// Disk bus. `virtio` everywhere; `sata` with the QEMU runtime only. KubeVirt's
 /// `scsi` and `usb` are not supported.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 #[serde(rename_all = "lowercase")]
 pub enum DiskBus {
     /// virtio-blk.
@@ -572,6 +576,7 @@ pub enum DiskBus {
 
 /// Host cache mode of a disk.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 #[serde(rename_all = "lowercase")]
 pub enum CacheMode {
     /// O_DIRECT, no host cache.
@@ -611,6 +616,7 @@ pub struct Interface {
 
 /// NIC model.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 #[serde(rename_all = "lowercase")]
 pub enum InterfaceModel {
     /// virtio-net.
@@ -881,6 +887,7 @@ pub struct PodNetwork {
 
 /// Lifecycle phase of an instance.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 pub enum VmiPhase {
     /// Accepted, not yet scheduled.
     Pending,
@@ -1327,6 +1334,7 @@ pub struct VirtualMachineInstanceMigrationSpec {
 
 /// Migration phase.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 pub enum MigrationPhase {
     /// Accepted.
     Pending,

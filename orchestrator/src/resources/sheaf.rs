@@ -66,6 +66,7 @@ pub struct VolumeSource {
 
 /// Lifecycle phase of a Volume.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 pub enum VolumePhase {
     /// Accepted, replicas not yet placed.
     Pending,
@@ -85,6 +86,7 @@ pub enum VolumePhase {
 
 /// State of one replica.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Copy, Debug, PartialEq, Eq)]
+#[schemars(inline)]
 pub enum ReplicaState {
     /// Up to date with the current epoch.
     Healthy,

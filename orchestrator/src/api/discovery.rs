@@ -188,7 +188,10 @@ pub fn structural(v: &mut Value) {
         Value::Object(m) => {
             m.values_mut().for_each(structural);
             if let Some(Value::Array(any)) = m.get("anyOf") {
-                let non_null: Vec<&Value> = any.iter().filter(|s| s.get("enum") != Some(&json!([null]))).collect();
+                let non_null: Vec<&Value> = any
+                    .iter()
+                    .filter(|s| s.get("enum") != Some(&json!([null])))
+                    .collect();
                 if non_null.len() == 1 && any.len() == 2 {
                     let inner = non_null[0].clone();
                     m.remove("anyOf");
@@ -206,10 +209,14 @@ pub fn structural(v: &mut Value) {
             if let Some(Value::Array(one)) = m.get("oneOf") {
                 let values: Option<Vec<Value>> = one
                     .iter()
-                    .map(|s| match (s.get("type"), s.get("enum").and_then(Value::as_array)) {
-                        (Some(t), Some(e)) if t == "string" && e.len() == 1 => Some(e[0].clone()),
-                        _ => s.get("const").cloned(),
-                    })
+                    .map(
+                        |s| match (s.get("type"), s.get("enum").and_then(Value::as_array)) {
+                            (Some(t), Some(e)) if t == "string" && e.len() == 1 => {
+                                Some(e[0].clone())
+                            }
+                            _ => s.get("const").cloned(),
+                        },
+                    )
                     .collect();
                 if let Some(values) = values {
                     m.remove("oneOf");
@@ -392,7 +399,10 @@ mod tests {
         }
         let rs = &doc["components"]["schemas"]["VirtualMachineSpec"]["properties"]["runStrategy"];
         assert_eq!(rs["type"], "string", "{rs}");
-        assert_eq!(rs["enum"], json!(["Always", "RerunOnFailure", "Once", "Manual", "Halted"]));
+        assert_eq!(
+            rs["enum"],
+            json!(["Always", "RerunOnFailure", "Once", "Manual", "Halted"])
+        );
         let ns = openapi_v3_group(&reg, "", "v1").unwrap();
         assert!(
             ns["components"]["schemas"]

@@ -5,6 +5,8 @@
 //! Layers (see `docs/blockrepl.md`):
 //!
 //! ```text
+//!  frontend  NBD server, vhost-user-blk backend, sheaf-vmm BlockBackend
+//!    │
 //!  volume    Volume / BlockingVolume: the client API frontends use
 //!    │
 //!  net       tokio TCP transport, HMAC-authenticated sessions, replica server
@@ -18,6 +20,7 @@
 #![warn(missing_docs)]
 
 pub mod error;
+pub mod frontend;
 pub mod net;
 pub mod proto;
 pub mod sim;

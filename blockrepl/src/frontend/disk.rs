@@ -134,8 +134,9 @@ impl Disk {
                 .write_zeroes(inner_start, inner_end - inner_start)
                 .await?;
         }
-        // Partial edge blocks: read-modify-write with zeros.
-        let zero = vec![0u8; BLOCK_SIZE_U64 as usize];
+        // Partial edge blocks: read-modify-write with zeros. Without a whole
+        // block inside, the range is shorter than two blocks.
+        let zero = vec![0u8; 2 * BLOCK_SIZE_U64 as usize];
         let mut edges = Vec::new();
         if inner_start >= inner_end {
             edges.push((offset, len));

@@ -151,6 +151,7 @@ impl ReplicaCore {
                         position: info.position,
                     });
                 }
+                tracing::trace!(%tag, ?op, "apply");
                 let res = match op {
                     Op::Write { lba, data } => {
                         let n = (data.len() / BLOCK_SIZE) as u32;
@@ -342,6 +343,7 @@ impl ReplicaCore {
                     let b = lba + i as u64;
                     let cur = store.entry(layer, b);
                     let bad = cur.is_some_and(|(_, _, valid)| !valid);
+                    debug!(layer, lba = b, ?cur, bad, "repair");
                     let res = match ent {
                         CopyEntry::Data(t, d) if bad => {
                             store.set_block(layer, b, SetBlock::Data(*t, d))

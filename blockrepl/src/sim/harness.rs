@@ -788,7 +788,9 @@ impl Sim {
     fn inject_fault(&mut self) {
         let r = self.rng.below(self.cfg.replicas as u64) as usize;
         self.faults += 1;
-        match self.rng.below(14) {
+        let kind = self.rng.below(14);
+        tracing::info!(kind, replica = r, now = self.now, "fault");
+        match kind {
             0 | 1 => {
                 // Partition a replica from every engine.
                 self.partitioned[r] = true;
@@ -1002,10 +1004,11 @@ impl Sim {
                 if a != v || bad(&a.0) || bad(&v.0) {
                     if div == 0 {
                         report.violations.push(format!(
-                            "replica copy differs at (layer, block) {k:?}: {:?} vs {:?} (data equal: {})",
+                            "replica copy differs at (layer, block) {k:?}: {:?} vs {:?} (data: {:?} vs {:?})",
                             a.0,
                             v.0,
-                            a.1 == v.1
+                            a.1.as_ref().map(|d| oracle::decode_value(k.1, d)),
+                            v.1.as_ref().map(|d| oracle::decode_value(k.1, d)),
                         ));
                     }
                     div += 1;

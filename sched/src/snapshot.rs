@@ -54,6 +54,9 @@ pub struct NodeInfo {
     pub(crate) vm_count: u32,
     pub(crate) max_vms: u32,
     pub(crate) allocatable: Resources,
+    /// `1 / allocatable` per resource (0 when none): scorers multiply
+    /// instead of dividing per node.
+    pub(crate) inv_allocatable: (f64, f64),
     pub(crate) requested: Resources,
     pub(crate) taints: Vec<TaintInfo>,
     pub(crate) labels: Labels,
@@ -299,6 +302,7 @@ impl ClusterSnapshot {
                     vm_count: 0,
                     max_vms: 0,
                     allocatable: Resources::default(),
+                    inv_allocatable: (0.0, 0.0),
                     requested: Resources::default(),
                     taints: Vec::new(),
                     labels: Vec::new(),
@@ -608,6 +612,11 @@ impl ClusterSnapshot {
         n.unschedulable = node.unschedulable;
         n.max_vms = node.max_vms;
         n.allocatable = node.allocatable_resources();
+        let inv = |v: u64| if v == 0 { 0.0 } else { 1.0 / v as f64 };
+        n.inv_allocatable = (
+            inv(n.allocatable.cpu_millis),
+            inv(n.allocatable.memory_bytes),
+        );
         n.taints = taints;
         n.labels = labels;
         n.zone = zone;

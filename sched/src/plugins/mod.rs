@@ -193,23 +193,36 @@ pub(crate) fn domain_counts_of_nodes(
     DomainCounts::from_pairs(col.domains(), pairs)
 }
 
-/// `part * scale / whole` for `part <= whole`, in u64 when it cannot
-/// overflow (always, for real machine sizes), else in u128.
+/// `floor(min(used, cap) * inv * scale)`, where `inv` is `1 / cap`
+/// (precomputed per node). The tiny bias keeps exact ratios (e.g. 29/100)
+/// from rounding down to the integer below.
 #[inline]
-pub(crate) fn ratio(part: u64, whole: u64, scale: u64) -> u64 {
-    if whole == 0 {
+pub(crate) fn scaled_fraction(used: u64, cap: u64, inv: f64, scale: f64) -> i64 {
+    if cap == 0 {
         return 0;
     }
-    match part.checked_mul(scale) {
-        Some(p) => p / whole,
-        None => (u128::from(part) * u128::from(scale) / u128::from(whole)) as u64,
-    }
+    ((used.min(cap) as f64 * inv * scale) + 1e-9) as i64
 }
 
 /// Column index of a topology key given as a string.
 pub(crate) fn column_for(snap: &ClusterSnapshot, key: &str) -> Option<(Sym, usize)> {
     let k = snap.interner.get(key)?;
     snap.column_index(k).map(|c| (k, c))
+}
+
+/// Test helper: runs `f` with a context for `req` on `snap`.
+#[cfg(test)]
+pub(crate) fn with_ctx<R>(
+    snap: &ClusterSnapshot,
+    req: &crate::types::Request,
+    f: impl FnOnce(&crate::framework::Ctx<'_>) -> R,
+) -> R {
+    let labels = crate::scheduler::request_labels(snap, req);
+    f(&crate::framework::Ctx {
+        snapshot: snap,
+        request: req,
+        labels: &labels,
+    })
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::framework::{
     Ctx, CycleState, FilterPlugin, MAX_NODE_SCORE, Plugin, Reason, ScorePlugin,
 };
+use crate::plugins::scaled_fraction;
 use crate::snapshot::NodeInfo;
 use crate::types::Resources;
 
@@ -113,23 +114,110 @@ impl FilterPlugin for NodeResourcesFit {
     }
 }
 
-#[inline]
-fn fraction_score(used: u64, cap: u64, most: bool) -> i64 {
-    if cap == 0 {
-        return 0;
-    }
-    let pct = crate::plugins::ratio(used.min(cap), cap, MAX_NODE_SCORE as u64) as i64;
-    if most { pct } else { MAX_NODE_SCORE - pct }
-}
-
 impl ScorePlugin for NodeResourcesFit {
     #[inline]
     fn score(&self, cx: &Ctx<'_>, _: &CycleState, node: &NodeInfo) -> i64 {
         let cap = self.effective(node.allocatable);
         let after = node.requested.saturating_add(cx.request.resources);
-        let most = self.args.strategy == ScoringStrategy::MostAllocated;
-        (fraction_score(after.cpu_millis, cap.cpu_millis, most)
-            + fraction_score(after.memory_bytes, cap.memory_bytes, most))
-            / 2
+        let (ic, im) = node.inv_allocatable;
+        // 1 / (allocatable * pct / 100) = (1 / allocatable) * 100 / pct.
+        let sc = 100.0 * MAX_NODE_SCORE as f64 / f64::from(self.args.cpu_overcommit_percent.max(1));
+        let sm =
+            100.0 * MAX_NODE_SCORE as f64 / f64::from(self.args.memory_overcommit_percent.max(1));
+        let c = scaled_fraction(after.cpu_millis, cap.cpu_millis, ic, sc).min(MAX_NODE_SCORE);
+        let m = scaled_fraction(after.memory_bytes, cap.memory_bytes, im, sm).min(MAX_NODE_SCORE);
+        let (c, m) = match self.args.strategy {
+            ScoringStrategy::MostAllocated => (c, m),
+            ScoringStrategy::LeastAllocated => (
+                if cap.cpu_millis == 0 {
+                    0
+                } else {
+                    MAX_NODE_SCORE - c
+                },
+                if cap.memory_bytes == 0 {
+                    0
+                } else {
+                    MAX_NODE_SCORE - m
+                },
+            ),
+        };
+        (c + m) / 2
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::framework::CycleState;
+    use crate::plugins::with_ctx;
+    use crate::{ClusterSnapshot, Node, Request};
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn filter_reports_every_short_resource_and_honours_overcommit() {
+        let mut snap =
+            ClusterSnapshot::from_nodes([Node::new("n", 4_000, 8 * GIB).max_vms(2)]).unwrap();
+        snap.bind(&Request::new("a", 3_000, 6 * GIB), "n").unwrap();
+        snap.bind(&Request::new("b", 0, 0), "n").unwrap();
+        let node = snap.node("n").unwrap();
+        let st = CycleState::default();
+        let plain = NodeResourcesFit::default();
+        let r = Request::new("x", 2_000, 4 * GIB);
+        let err = with_ctx(&snap, &r, |cx| plain.filter(cx, &st, node)).unwrap_err();
+        assert_eq!(
+            err,
+            Reason::Insufficient {
+                cpu: true,
+                memory: true,
+                vms: true
+            }
+        );
+        let oc = NodeResourcesFit::new(ResourceFitArgs {
+            cpu_overcommit_percent: 200,
+            memory_overcommit_percent: 200,
+            ..ResourceFitArgs::default()
+        });
+        let err = with_ctx(&snap, &r, |cx| oc.filter(cx, &st, node)).unwrap_err();
+        assert_eq!(
+            err,
+            Reason::Insufficient {
+                cpu: false,
+                memory: false,
+                vms: true
+            }
+        );
+        // Zero-sized requests never fail on resources.
+        let z = Request::new("z", 0, 0);
+        let mut snap2 = ClusterSnapshot::from_nodes([Node::new("m", 0, 0)]).unwrap();
+        snap2.add_node(Node::new("k", 1, 1)).unwrap();
+        let m = snap2.node("m").unwrap();
+        assert!(with_ctx(&snap2, &z, |cx| plain.filter(cx, &st, m)).is_ok());
+    }
+
+    #[test]
+    fn least_and_most_allocated_scores() {
+        let mut snap = ClusterSnapshot::from_nodes([Node::new("n", 4_000, 8 * GIB)]).unwrap();
+        snap.bind(&Request::new("a", 1_000, 2 * GIB), "n").unwrap();
+        let node = snap.node("n").unwrap();
+        let st = CycleState::default();
+        let r = Request::new("x", 1_000, 2 * GIB);
+        // After placing: 50% CPU and 50% memory used.
+        let least = NodeResourcesFit::default();
+        assert_eq!(with_ctx(&snap, &r, |cx| least.score(cx, &st, node)), 50);
+        let most = NodeResourcesFit::new(ResourceFitArgs {
+            strategy: ScoringStrategy::MostAllocated,
+            ..ResourceFitArgs::default()
+        });
+        let r = Request::new("x", 2_000, 0);
+        // 75% CPU, 25% memory.
+        assert_eq!(with_ctx(&snap, &r, |cx| most.score(cx, &st, node)), 50);
+        assert_eq!(with_ctx(&snap, &r, |cx| least.score(cx, &st, node)), 50);
+        let r = Request::new("x", 1_160, 0);
+        // 54% CPU exactly (2160/4000): no rounding down to 53.
+        assert_eq!(
+            with_ctx(&snap, &r, |cx| most.score(cx, &st, node)),
+            (54 + 25) / 2
+        );
     }
 }

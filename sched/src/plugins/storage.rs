@@ -112,3 +112,73 @@ impl ScorePlugin for StorageLocality {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plugins::with_ctx;
+    use crate::{ClusterSnapshot, Node, ReplicaLocation, Request};
+
+    #[test]
+    fn locality_scores_and_strict_filter() {
+        let snap = ClusterSnapshot::from_nodes([
+            Node::new("a", 1, 1).zone("z1"),
+            Node::new("b", 1, 1).zone("z1"),
+            Node::new("c", 1, 1).zone("z2"),
+            Node::new("d", 1, 1).zone("z2"),
+        ])
+        .unwrap();
+        let mut r = Request::new("v", 1, 1).replica_on("a");
+        r.volume_replicas.push(ReplicaLocation {
+            node: "c".into(),
+            disk: None,
+            healthy: false,
+        });
+        with_ctx(&snap, &r, |cx| {
+            let mut st = CycleState::default();
+            assert_eq!(
+                StorageLocality.pre_filter(cx, &mut st).unwrap(),
+                PreFilterResult::Skip
+            );
+            assert_eq!(
+                StorageLocality.pre_score(cx, &mut st, &[]),
+                PreScoreResult::Continue
+            );
+            let s: Vec<i64> = ["a", "b", "c", "d"]
+                .iter()
+                .map(|n| StorageLocality.score(cx, &st, snap.node(n).unwrap()))
+                .collect();
+            // Unhealthy replica on c counts for nothing.
+            assert_eq!(s, [100, 50, 0, 0]);
+        });
+        r.data_locality = DataLocality::StrictLocal;
+        with_ctx(&snap, &r, |cx| {
+            let mut st = CycleState::default();
+            match StorageLocality.pre_filter(cx, &mut st).unwrap() {
+                PreFilterResult::Nodes { slots, reason } => {
+                    assert_eq!(slots, vec![0]);
+                    assert_eq!(reason, Reason::NoLocalReplica);
+                }
+                o => panic!("{o:?}"),
+            }
+            assert!(
+                StorageLocality
+                    .filter(cx, &st, snap.node("a").unwrap())
+                    .is_ok()
+            );
+            assert!(
+                StorageLocality
+                    .filter(cx, &st, snap.node("b").unwrap())
+                    .is_err()
+            );
+        });
+        r.data_locality = DataLocality::Disabled;
+        with_ctx(&snap, &r, |cx| {
+            let mut st = CycleState::default();
+            assert_eq!(
+                StorageLocality.pre_score(cx, &mut st, &[]),
+                PreScoreResult::Skip
+            );
+        });
+    }
+}

@@ -149,3 +149,84 @@ impl ScorePlugin for TaintToleration {
         default_normalize(MAX_NODE_SCORE, true, scores);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plugins::with_ctx;
+    use crate::{ClusterSnapshot, Node, Request};
+
+    fn check(node: Node, tols: Vec<Toleration>) -> Result<(), Reason> {
+        let snap = ClusterSnapshot::from_nodes([node]).unwrap();
+        let mut r = Request::new("x", 1, 1);
+        r.tolerations = tols;
+        with_ctx(&snap, &r, |cx| {
+            let mut st = CycleState::default();
+            TaintToleration.pre_filter(cx, &mut st).unwrap();
+            TaintToleration.filter(cx, &st, snap.node("n").unwrap())
+        })
+    }
+
+    fn tol(
+        key: &str,
+        op: TolerationOperator,
+        value: &str,
+        effect: Option<TaintEffect>,
+    ) -> Toleration {
+        Toleration {
+            key: key.into(),
+            operator: op,
+            value: value.into(),
+            effect,
+        }
+    }
+
+    #[test]
+    fn toleration_matching() {
+        use TaintEffect::*;
+        use TolerationOperator::*;
+        let n = || Node::new("n", 1, 1).taint("gpu", "a100", NoSchedule);
+        assert!(check(n(), vec![]).is_err());
+        assert!(check(n(), vec![tol("gpu", Equal, "a100", None)]).is_ok());
+        assert!(check(n(), vec![tol("gpu", Equal, "h100", None)]).is_err());
+        assert!(check(n(), vec![tol("gpu", Exists, "", None)]).is_ok());
+        assert!(check(n(), vec![tol("", Exists, "", None)]).is_ok());
+        assert!(check(n(), vec![tol("", Equal, "", None)]).is_err());
+        assert!(check(n(), vec![tol("gpu", Exists, "", Some(NoExecute))]).is_err());
+        assert!(check(n(), vec![tol("gpu", Exists, "", Some(NoSchedule))]).is_ok());
+        assert!(check(n(), vec![tol("unknown-key", Exists, "", None)]).is_err());
+        // PreferNoSchedule never filters.
+        assert!(
+            check(
+                Node::new("n", 1, 1).taint("x", "", PreferNoSchedule),
+                vec![]
+            )
+            .is_ok()
+        );
+        // NoExecute filters like NoSchedule.
+        assert!(check(Node::new("n", 1, 1).taint("x", "", NoExecute), vec![]).is_err());
+    }
+
+    #[test]
+    fn prefer_no_schedule_scores_lower() {
+        let snap = ClusterSnapshot::from_nodes([
+            Node::new("a", 1, 1),
+            Node::new("b", 1, 1).taint("x", "", TaintEffect::PreferNoSchedule),
+        ])
+        .unwrap();
+        let r = Request::new("v", 1, 1);
+        with_ctx(&snap, &r, |cx| {
+            let mut st = CycleState::default();
+            assert_eq!(
+                TaintToleration.pre_score(cx, &mut st, &[0, 1]),
+                PreScoreResult::Continue
+            );
+            let mut s = [
+                TaintToleration.score(cx, &st, snap.node("a").unwrap()),
+                TaintToleration.score(cx, &st, snap.node("b").unwrap()),
+            ];
+            TaintToleration.normalize(cx, &st, &mut s);
+            assert_eq!(s, [100, 0]);
+        });
+    }
+}

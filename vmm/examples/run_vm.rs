@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 //! Boots a kernel with sheaf-vmm, console on stdout:
 //! `run_vm KERNEL [INITRAMFS|-] [CMDLINE] [DISK...]` (env: MEM_MIB, VCPUS,
-//! VIRTIO_CMDLINE=1 to also list virtio-mmio devices on the command line).
+//! VIRTIO_CMDLINE=1 to also list virtio-mmio devices on the command line,
+//! WAIT_S=n to stop the guest after n seconds, PROGRESS_S=n to print
+//! metrics every n seconds).
 #![allow(clippy::unwrap_used)]
 
 use sheaf_vmm::{SerialConfig, Vm, VmConfig};
@@ -32,7 +34,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let vm = Vm::new(cfg.build()?)?;
     vm.start()?;
-    let reason = vm.wait();
+    let progress = std::time::Duration::from_secs(env("PROGRESS_S", 3600));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(env("WAIT_S", u64::MAX / 4));
+    let reason = loop {
+        if let Some(r) = vm.wait_timeout(progress) {
+            break r;
+        }
+        eprintln!("sheaf-vmm: running: {:?}", vm.metrics());
+        if std::time::Instant::now() >= deadline {
+            eprintln!("sheaf-vmm: WAIT_S expired, stopping the guest");
+            break vm.stop();
+        }
+    };
     eprintln!("sheaf-vmm: guest exited: {reason:?} ({:?})", vm.metrics());
     std::process::exit(if reason.is_clean() { 0 } else { 1 });
 }

@@ -580,7 +580,18 @@ impl Vm {
             let name = format!("{}-vcpu{id}", self.shared.name);
             let h = std::thread::Builder::new()
                 .name(truncate_thread_name(&name))
-                .spawn(move || vcpu::run_vcpu(ctx))
+                .spawn(move || {
+                    let exit = ctx.exit.clone();
+                    let id = ctx.id;
+                    // A bug must end the VM, not leave it half alive.
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| vcpu::run_vcpu(ctx)))
+                        .is_err()
+                    {
+                        exit.request(ExitReason::InternalError {
+                            detail: format!("vCPU {id} thread panicked"),
+                        });
+                    }
+                })
                 .map_err(|source| Error::SpawnThread { name, source });
             match h {
                 Ok(h) => handles.push(h),
@@ -756,10 +767,16 @@ fn device_loop(
     vcpu_threads: Vec<JoinHandle<()>>,
     serial: Arc<Mutex<SerialDevice>>,
 ) {
-    if let Err(e) = event_loop(&shared, &transports) {
-        shared.exit.request(ExitReason::InternalError {
-            detail: format!("device event loop failed: {e}"),
-        });
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        event_loop(&shared, &transports)
+    }));
+    let failure = match result {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(format!("device event loop failed: {e}")),
+        Err(_) => Some("device thread panicked".to_string()),
+    };
+    if let Some(detail) = failure {
+        shared.exit.request(ExitReason::InternalError { detail });
     }
     // Teardown: stop and join the vCPUs, flush the console, publish.
     shared.control.set(Desired::Stop);

@@ -434,3 +434,27 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn event_idx_publishes_avail_event_and_suppresses_interrupts() {
+    let disk = Arc::new(MemBackend::new(64 * 512, "evidx"));
+    let mut d = Driver::new(disk, MEM);
+    assert!(d.negotiate(1 << 29)); // VIRTIO_RING_F_EVENT_IDX
+    d.setup_queue(16);
+    // used_event (after the avail ring) = 0: interrupt after the first completion.
+    let used_event = sheaf_vmm::devices::virtio::test_utils::AVAIL + 4 + 2 * 16;
+    let avail_event = sheaf_vmm::devices::virtio::test_utils::USED + 4 + 8 * 16;
+    d.mem.write_obj(0u16, GuestAddress(used_event)).unwrap();
+    for i in 1..=3u16 {
+        three(&d, 4, 0, RawDesc { addr: DATA + 0x100, len: 0, flags: 0, next: 0 });
+        d.set_desc(0, RawDesc { addr: DATA, len: 16, flags: NEXT, next: 2 });
+        d.kick(0);
+        assert_eq!(d.used_idx(), i);
+        // The device tells the driver to kick again for the next buffer.
+        let ae: u16 = d.mem.read_obj(GuestAddress(avail_event)).unwrap();
+        assert_eq!(ae, i, "avail_event after request {i}");
+    }
+    // Only the first completion crossed used_event = 0.
+    assert_eq!(d.irq.read().unwrap(), 1);
+    assert!(d.irq.read().is_err(), "later completions were suppressed");
+}

@@ -15,6 +15,10 @@ use sheaf_testkit::guest::{self, GuestImage};
 use sheaf_testkit::nested::NestedBox;
 use sheaf_testkit::static_build;
 
+/// The image's default command line without `quiet`, so a failure shows the
+/// whole boot log.
+const CMDLINE: &str = "console=ttyS0 panic=-1";
+
 #[test]
 fn stock_linux_boots_reads_marker_writes_reply_and_powers_off() {
     if sheaf_testkit::skip_slow("linux_boot") {
@@ -36,12 +40,15 @@ fn stock_linux_boots_reads_marker_writes_reply_and_powers_off() {
         .collect("disk.img")
         .env("MEM_MIB", "256")
         .env("VCPUS", "2")
+        .env("WAIT_S", "360")
+        .env("PROGRESS_S", "30")
         .timeout(Duration::from_secs(480))
         .run(
             &vmm,
-            ["bzImage", "initramfs.cpio.gz", guest::DEFAULT_CMDLINE, "disk.img"],
+            ["bzImage", "initramfs.cpio.gz", CMDLINE, "disk.img"],
         )
         .unwrap();
+    eprintln!("---- program output ----\n{}\n---- end ----", out.output);
     let report = guest::parse_console(&out.output);
     assert!(
         out.output.contains("sheaf-vmm: guest exited: Shutdown"),

@@ -243,3 +243,12 @@ fn bad_kernel_images_are_reported() {
         }
     }
 }
+
+#[test]
+fn public_handles_are_thread_safe() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Vm>();
+    send_sync::<sheaf_vmm::ConsoleRing>();
+    send_sync::<std::sync::Arc<dyn sheaf_vmm::BlockBackend>>();
+    send_sync::<VmConfig>();
+}

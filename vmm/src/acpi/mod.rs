@@ -129,8 +129,9 @@ fn madt(vcpus: u8) -> Sdt {
         // Processor Local APIC: type 0, len 8, uid, apic id, flags (enabled).
         m.append_slice(&[0, 8, i, i, 1, 0, 0, 0]);
     }
-    // I/O APIC: type 1, len 12, id, reserved, address, GSI base.
-    let mut ioapic = vec![1u8, 12, 0, 0];
+    // I/O APIC: type 1, len 12, id (after the CPUs' APIC ids), reserved,
+    // address, GSI base.
+    let mut ioapic = vec![1u8, 12, vcpus, 0];
     ioapic.extend_from_slice(&(layout::IOAPIC_ADDR as u32).to_le_bytes());
     ioapic.extend_from_slice(&0u32.to_le_bytes());
     m.append_slice(&ioapic);

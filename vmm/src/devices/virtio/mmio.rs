@@ -156,43 +156,48 @@ impl MmioTransport {
         if self.status & status::DRIVER_OK == 0 || self.status & status::NEEDS_RESET != 0 {
             return;
         }
-        let Some(queue) = self.queues.get_mut(index) else {
-            return;
-        };
-        if !queue.ready() {
-            return;
-        }
-        // A guest that moved avail.idx more than a queue's length ahead is broken.
-        match queue.avail_idx(&self.mem, Ordering::Acquire) {
-            Ok(idx) if (idx - Wrapping(queue.next_avail())).0 > queue.size() => {
-                self.fault(&DeviceFault(
-                    "avail index ahead by more than the queue size".into(),
-                ));
-                return;
+        match self.process(index) {
+            Ok(interrupt) => {
+                if interrupt {
+                    self.interrupt.trigger(INT_VRING);
+                }
             }
-            Ok(_) => {}
-            Err(e) => {
-                self.fault(&DeviceFault(format!("avail ring: {e:?}")));
-                return;
-            }
-        }
-        let result = self.device.process_queue(index, queue, &self.mem);
-        // More pending (the device stops after one queue's worth): come back later.
-        if let Ok(idx) = queue.avail_idx(&self.mem, Ordering::Acquire)
-            && idx.0 != queue.next_avail()
-            && let Some(evt) = self.queue_evts.get(index)
-        {
-            let _ = evt.write(1);
-        }
-        match result {
-            Ok(true) => match queue.needs_notification(&self.mem) {
-                Ok(true) => self.interrupt.trigger(INT_VRING),
-                Ok(false) => {}
-                Err(e) => self.fault(&DeviceFault(format!("used ring: {e:?}"))),
-            },
-            Ok(false) => {}
             Err(e) => self.fault(&e),
         }
+    }
+
+    /// Runs the device on a queue; returns whether to interrupt the driver.
+    fn process(&mut self, index: usize) -> Result<bool, DeviceFault> {
+        let Some(queue) = self.queues.get_mut(index) else {
+            return Ok(false);
+        };
+        if !queue.ready() {
+            return Ok(false);
+        }
+        // A guest that moved avail.idx more than a queue's length ahead is broken.
+        let idx = queue
+            .avail_idx(&self.mem, Ordering::Acquire)
+            .map_err(|e| DeviceFault(format!("avail ring: {e:?}")))?;
+        if (idx - Wrapping(queue.next_avail())).0 > queue.size() {
+            return Err(DeviceFault("avail index ahead by more than the queue size".into()));
+        }
+        let used = self.device.process_queue(index, queue, &self.mem)?;
+        // Re-enable guest notifications (with EVENT_IDX this publishes
+        // avail_event = next_avail; without it, it clears NO_NOTIFY). If more
+        // buffers arrived meanwhile, or the device stopped after a queue's
+        // worth, come back through the eventfd rather than loop here.
+        let more = queue
+            .enable_notification(&self.mem)
+            .map_err(|e| DeviceFault(format!("avail ring: {e:?}")))?;
+        if more && let Some(evt) = self.queue_evts.get(index) {
+            let _ = evt.write(1);
+        }
+        if !used {
+            return Ok(false);
+        }
+        queue
+            .needs_notification(&self.mem)
+            .map_err(|e| DeviceFault(format!("used ring: {e:?}")))
     }
 
     fn set_status(&mut self, v: u32) {

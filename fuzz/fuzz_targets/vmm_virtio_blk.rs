@@ -27,7 +27,9 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     d.setup_queue(16);
-    let _ = d.mem.write_slice(&payload[..payload.len().min(8192)], GuestAddress(DATA));
+    let _ = d
+        .mem
+        .write_slice(&payload[..payload.len().min(8192)], GuestAddress(DATA));
     for (i, c) in descs.chunks_exact(16).enumerate() {
         let mut addr = u64::from_le_bytes(c[0..8].try_into().unwrap_or_default());
         // Keep most addresses near the buffers so requests get deep.

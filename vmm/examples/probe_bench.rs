@@ -18,7 +18,10 @@ fn one() -> (Duration, Duration) {
         .build()
         .unwrap();
     let t = Instant::now();
-    let vm = Vm::builder(cfg).disk_backend(Arc::new(MemBackend::new(1 << 20, "bench"))).create().unwrap();
+    let vm = Vm::builder(cfg)
+        .disk_backend(Arc::new(MemBackend::new(1 << 20, "bench")))
+        .create()
+        .unwrap();
     vm.start().unwrap();
     assert_eq!(vm.wait(), ExitReason::DebugExit { code: 0 });
     (vm.metrics().create_to_first_exit.unwrap(), t.elapsed())
@@ -30,7 +33,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(50);
+    let n: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(50);
     one(); // warm-up
     let mut first = Vec::new();
     let mut cycle = Vec::new();
@@ -42,7 +48,15 @@ fn main() {
     }
     let seq_rate = n as f64 / t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let threads: Vec<_> = (0..2).map(|_| std::thread::spawn(move || (0..n / 2).for_each(|_| drop(one())))).collect();
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            std::thread::spawn(move || {
+                (0..n / 2).for_each(|_| {
+                    one();
+                })
+            })
+        })
+        .collect();
     threads.into_iter().for_each(|h| h.join().unwrap());
     let par_rate = (n / 2 * 2) as f64 / t.elapsed().as_secs_f64();
     println!(

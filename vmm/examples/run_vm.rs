@@ -35,7 +35,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let vm = Vm::new(cfg.build()?)?;
     vm.start()?;
     let progress = std::time::Duration::from_secs(env("PROGRESS_S", 3600));
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(env("WAIT_S", u64::MAX / 4));
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_secs(env("WAIT_S", u64::MAX / 4));
     let reason = loop {
         if let Some(r) = vm.wait_timeout(progress) {
             break r;

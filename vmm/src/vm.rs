@@ -584,8 +584,10 @@ impl Vm {
                     let exit = ctx.exit.clone();
                     let id = ctx.id;
                     // A bug must end the VM, not leave it half alive.
-                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| vcpu::run_vcpu(ctx)))
-                        .is_err()
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        vcpu::run_vcpu(ctx)
+                    }))
+                    .is_err()
                     {
                         exit.request(ExitReason::InternalError {
                             detail: format!("vCPU {id} thread panicked"),

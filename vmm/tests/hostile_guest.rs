@@ -446,8 +446,26 @@ fn event_idx_publishes_avail_event_and_suppresses_interrupts() {
     let avail_event = sheaf_vmm::devices::virtio::test_utils::USED + 4 + 8 * 16;
     d.mem.write_obj(0u16, GuestAddress(used_event)).unwrap();
     for i in 1..=3u16 {
-        three(&d, 4, 0, RawDesc { addr: DATA + 0x100, len: 0, flags: 0, next: 0 });
-        d.set_desc(0, RawDesc { addr: DATA, len: 16, flags: NEXT, next: 2 });
+        three(
+            &d,
+            4,
+            0,
+            RawDesc {
+                addr: DATA + 0x100,
+                len: 0,
+                flags: 0,
+                next: 0,
+            },
+        );
+        d.set_desc(
+            0,
+            RawDesc {
+                addr: DATA,
+                len: 16,
+                flags: NEXT,
+                next: 2,
+            },
+        );
         d.kick(0);
         assert_eq!(d.used_idx(), i);
         // The device tells the driver to kick again for the next buffer.

@@ -43,10 +43,7 @@ fn stock_linux_boots_reads_marker_writes_reply_and_powers_off() {
         .env("WAIT_S", "360")
         .env("PROGRESS_S", "30")
         .timeout(Duration::from_secs(480))
-        .run(
-            &vmm,
-            ["bzImage", "initramfs.cpio.gz", CMDLINE, "disk.img"],
-        )
+        .run(&vmm, ["bzImage", "initramfs.cpio.gz", CMDLINE, "disk.img"])
         .unwrap();
     eprintln!("---- program output ----\n{}\n---- end ----", out.output);
     let report = guest::parse_console(&out.output);
@@ -56,11 +53,19 @@ fn stock_linux_boots_reads_marker_writes_reply_and_powers_off() {
         out.output
     );
     assert_eq!(out.exit_status, 0, "{}", out.output);
-    assert_eq!(report.marker.as_deref(), Some(marker.as_str()), "{}", out.output);
+    assert_eq!(
+        report.marker.as_deref(),
+        Some(marker.as_str()),
+        "{}",
+        out.output
+    );
     assert!(report.ok, "{}", out.output);
     let back = dir.path().join("back.img");
     std::fs::write(&back, out.read_file("disk.img").unwrap()).unwrap();
-    assert_eq!(guest::read_reply(&back).unwrap().as_deref(), Some(marker.as_str()));
+    assert_eq!(
+        guest::read_reply(&back).unwrap().as_deref(),
+        Some(marker.as_str())
+    );
     eprintln!(
         "linux_boot: program ran {:?} in the box (box total {:?})",
         out.timings.program_runtime(),

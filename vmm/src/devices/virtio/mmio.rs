@@ -179,7 +179,9 @@ impl MmioTransport {
             .avail_idx(&self.mem, Ordering::Acquire)
             .map_err(|e| DeviceFault(format!("avail ring: {e:?}")))?;
         if (idx - Wrapping(queue.next_avail())).0 > queue.size() {
-            return Err(DeviceFault("avail index ahead by more than the queue size".into()));
+            return Err(DeviceFault(
+                "avail index ahead by more than the queue size".into(),
+            ));
         }
         let used = self.device.process_queue(index, queue, &self.mem)?;
         // Re-enable guest notifications (with EVENT_IDX this publishes

@@ -58,8 +58,10 @@ pub struct NodeInfo {
     /// instead of dividing per node.
     pub(crate) inv_allocatable: (f64, f64),
     pub(crate) requested: Resources,
-    pub(crate) taints: Vec<TaintInfo>,
-    pub(crate) labels: Labels,
+    /// Shared so that preemption's per-candidate copies are cheap.
+    pub(crate) taints: Arc<[TaintInfo]>,
+    /// Shared so that preemption's per-candidate copies are cheap.
+    pub(crate) labels: Arc<[(Sym, Sym)]>,
     pub(crate) zone: Option<Sym>,
     pub(crate) vms: Vec<u32>,
     pub(crate) spec: Arc<Node>,
@@ -304,8 +306,8 @@ impl ClusterSnapshot {
                     allocatable: Resources::default(),
                     inv_allocatable: (0.0, 0.0),
                     requested: Resources::default(),
-                    taints: Vec::new(),
-                    labels: Vec::new(),
+                    taints: Arc::from([]),
+                    labels: Arc::from([]),
                     zone: None,
                     vms: Vec::new(),
                     spec: Arc::new(Node::new("", 0, 0)),
@@ -617,23 +619,23 @@ impl ClusterSnapshot {
             inv(n.allocatable.cpu_millis),
             inv(n.allocatable.memory_bytes),
         );
-        n.taints = taints;
-        n.labels = labels;
+        n.taints = taints.into();
+        n.labels = labels.into();
         n.zone = zone;
         n.spec = Arc::new(node);
     }
 
     fn detach_spec(&mut self, slot: u32) {
         let n = &mut self.nodes[slot as usize];
-        let labels = std::mem::take(&mut n.labels);
+        let labels = std::mem::replace(&mut n.labels, Arc::from([]));
         if n.taints
             .iter()
             .any(|t| t.effect == TaintEffect::PreferNoSchedule)
         {
             self.prefer_no_schedule_nodes -= 1;
         }
-        n.taints.clear();
-        for (k, v) in labels {
+        n.taints = Arc::from([]);
+        for &(k, v) in labels.iter() {
             if let Some(list) = self.node_pairs.get_mut(&(k, v)) {
                 if let Ok(i) = list.binary_search(&slot) {
                     list.remove(i);

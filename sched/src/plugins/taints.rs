@@ -111,7 +111,7 @@ impl FilterPlugin for TaintToleration {
         }
         let empty = Tolerations::default();
         let tols = state.read::<Tolerations>().unwrap_or(&empty);
-        for t in &node.taints {
+        for t in node.taints.iter() {
             if t.effect != TaintEffect::PreferNoSchedule && !tols.tolerates(t) {
                 return Err(Reason::UntoleratedTaint {
                     key: t.key,

@@ -81,3 +81,16 @@ pub use intern::Sym;
 pub use scheduler::Scheduler;
 pub use snapshot::{ClusterSnapshot, NodeInfo, VmInfo};
 pub use types::*;
+
+#[cfg(test)]
+mod tests {
+    /// The bindings share these across threads (behind their own locks).
+    #[test]
+    fn public_types_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<crate::Scheduler>();
+        check::<crate::ClusterSnapshot>();
+        check::<crate::SchedError>();
+        check::<crate::Placement>();
+    }
+}

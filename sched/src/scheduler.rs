@@ -187,7 +187,7 @@ impl Scheduler {
         for i in 0..done.len() {
             let req = &requests[i];
             let bound = {
-                let c = &mut done[i];
+                let c = &done[i];
                 let labels = request_labels(snapshot, req);
                 let cx = Ctx {
                     snapshot,
@@ -243,7 +243,11 @@ impl Scheduler {
             labels: &labels,
         };
         let profile = &self.profiles[c.profile];
-        bind_plugins(profile, &cx, c)
+        let res = bind_plugins(profile, &cx, c);
+        if res.is_err() {
+            unreserve(profile, &cx, &mut c.state, c.slot);
+        }
+        res
     }
 
     fn profile_index(&self, request: &Request) -> SchedResult<usize> {
@@ -546,13 +550,13 @@ fn finish(
     })
 }
 
-fn bind_plugins(profile: &Profile, cx: &Ctx<'_>, c: &mut Cycle) -> SchedResult<()> {
+/// Runs the bind plugins; on failure the caller unreserves.
+fn bind_plugins(profile: &Profile, cx: &Ctx<'_>, c: &Cycle) -> SchedResult<()> {
     let node = &cx.snapshot.nodes[c.slot as usize];
     for r in &profile.plugins {
         if let Some(p) = r.plugin.as_bind()
             && let Err(message) = p.bind(cx, &c.state, node)
         {
-            unreserve(profile, cx, &mut c.state, c.slot);
             return Err(rejected(r.plugin.name(), "bind", cx, message));
         }
     }

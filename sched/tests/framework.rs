@@ -206,6 +206,13 @@ fn custom_plugin_at_every_point() {
     assert!(matches!(err, SchedError::Gang { index: 2, .. }), "{err}");
     assert_eq!(probe.reserved.load(Ordering::SeqCst), 1);
     assert_eq!(s.vm_count(), 1);
+    // A failing bind in a gang unreserves every member exactly once.
+    *probe.fail_bind.lock().unwrap() = true;
+    let err = sched.place_gang(&mut s, &gang[..2]).unwrap_err();
+    assert!(matches!(err, SchedError::Gang { index: 0, .. }), "{err}");
+    assert_eq!(probe.reserved.load(Ordering::SeqCst), 1);
+    assert_eq!(s.vm_count(), 1);
+    *probe.fail_bind.lock().unwrap() = false;
     let ok = sched.place_gang(&mut s, &gang[..2]).unwrap();
     assert_eq!(ok.len(), 2);
     assert_eq!(probe.binds.load(Ordering::SeqCst), 3);

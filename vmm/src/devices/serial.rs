@@ -149,7 +149,10 @@ impl SerialOut {
         match &mut self.sink {
             SerialSink::None => {}
             SerialSink::Stdout => {
-                let _ = io::stdout().write_all(data);
+                // Unbuffered: prompts without a newline must show up too.
+                let mut out = io::stdout().lock();
+                let _ = out.write_all(data);
+                let _ = out.flush();
             }
             SerialSink::File(f) => {
                 let _ = f.write_all(data);

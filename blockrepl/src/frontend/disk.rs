@@ -52,15 +52,8 @@ impl Disk {
         self.vol.size()
     }
 
-    /// Checks that `[offset, offset + len)` lies inside the disk and is not
-    /// larger than [`MAX_REQUEST`].
+    /// Checks that `[offset, offset + len)` lies inside the disk.
     pub fn check_range(&self, offset: u64, len: u64) -> Result<()> {
-        if len > MAX_REQUEST {
-            return Err(Error::TooLarge {
-                len,
-                max: MAX_REQUEST,
-            });
-        }
         let size = self.size();
         match offset.checked_add(len) {
             Some(end) if end <= size => Ok(()),
@@ -68,9 +61,21 @@ impl Disk {
         }
     }
 
+    /// Like [`Disk::check_range`], and the length is at most [`MAX_REQUEST`]
+    /// (reads and writes hold their data in memory).
+    pub fn check_io(&self, offset: u64, len: u64) -> Result<()> {
+        if len > MAX_REQUEST {
+            return Err(Error::TooLarge {
+                len,
+                max: MAX_REQUEST,
+            });
+        }
+        self.check_range(offset, len)
+    }
+
     /// Reads `len` bytes at `offset`.
     pub async fn read(&self, offset: u64, len: usize) -> Result<Bytes> {
-        self.check_range(offset, len as u64)?;
+        self.check_io(offset, len as u64)?;
         if len == 0 {
             return Ok(Bytes::new());
         }
@@ -86,7 +91,7 @@ impl Disk {
     /// Writes `data` at `offset`.
     pub async fn write(&self, offset: u64, data: Bytes) -> Result<()> {
         let len = data.len() as u64;
-        self.check_range(offset, len)?;
+        self.check_io(offset, len)?;
         if len == 0 {
             return Ok(());
         }
@@ -254,7 +259,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let size = 64 * 4096;
         create_replica(dir.path(), size).unwrap();
-        let disk = Disk::new(Volume::attach(VolumeConfig::local(dir.path())).await.unwrap());
+        let disk = Disk::new(
+            Volume::attach(VolumeConfig::local(dir.path()))
+                .await
+                .unwrap(),
+        );
         let mut model = vec![0u8; size as usize];
         let mut seed = 0x1234_5678_u64;
         let mut rnd = |m: u64| {
@@ -269,7 +278,9 @@ mod tests {
             match i % 4 {
                 0 | 1 => {
                     let v = (i % 251) as u8 + 1;
-                    disk.write(off, Bytes::from(vec![v; len as usize])).await.unwrap();
+                    disk.write(off, Bytes::from(vec![v; len as usize]))
+                        .await
+                        .unwrap();
                     model[off as usize..(off + len) as usize].fill(v);
                 }
                 2 => {
@@ -278,7 +289,11 @@ mod tests {
                 }
                 _ => {
                     let got = disk.read(off, len as usize).await.unwrap();
-                    assert_eq!(&got[..], &model[off as usize..(off + len) as usize], "i={i}");
+                    assert_eq!(
+                        &got[..],
+                        &model[off as usize..(off + len) as usize],
+                        "i={i}"
+                    );
                 }
             }
         }
@@ -299,7 +314,11 @@ mod tests {
     async fn concurrent_partial_writes_lose_nothing() {
         let dir = tempfile::tempdir().unwrap();
         create_replica(dir.path(), 4 * 4096).unwrap();
-        let disk = Disk::new(Volume::attach(VolumeConfig::local(dir.path())).await.unwrap());
+        let disk = Disk::new(
+            Volume::attach(VolumeConfig::local(dir.path()))
+                .await
+                .unwrap(),
+        );
         let mut tasks = Vec::new();
         for i in 0..32u64 {
             let d = disk.clone();
@@ -312,7 +331,12 @@ mod tests {
         }
         let all = disk.read(0, 4 * 4096).await.unwrap();
         for i in 0..32usize {
-            assert!(all[i * 512..(i + 1) * 512].iter().all(|&b| b == i as u8 + 1), "sector {i}");
+            assert!(
+                all[i * 512..(i + 1) * 512]
+                    .iter()
+                    .all(|&b| b == i as u8 + 1),
+                "sector {i}"
+            );
         }
     }
 }

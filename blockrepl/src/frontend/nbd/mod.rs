@@ -64,7 +64,10 @@ pub enum NbdError {
 
 /// Builds a TLS acceptor from PEM files: a certificate chain and its
 /// private key.
-pub fn tls_acceptor(cert_pem: &Path, key_pem: &Path) -> Result<tokio_rustls::TlsAcceptor, NbdError> {
+pub fn tls_acceptor(
+    cert_pem: &Path,
+    key_pem: &Path,
+) -> Result<tokio_rustls::TlsAcceptor, NbdError> {
     use rustls::pki_types::pem::PemObject;
     use rustls::pki_types::{CertificateDer, PrivateKeyDer};
     let certs = CertificateDer::pem_file_iter(cert_pem)

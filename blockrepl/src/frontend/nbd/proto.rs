@@ -686,7 +686,8 @@ impl Negotiation {
         if catalog.lookup(&name).is_none() {
             return self.error(opt, rep::ERR_UNKNOWN, "no such export");
         }
-        let wants = |q: &str| q == BASE_ALLOCATION || (opt == opt::LIST_META_CONTEXT && q == "base:");
+        let wants =
+            |q: &str| q == BASE_ALLOCATION || (opt == opt::LIST_META_CONTEXT && q == "base:");
         let selected = if queries.is_empty() {
             // An empty LIST means "everything"; an empty SET selects nothing.
             opt == opt::LIST_META_CONTEXT
@@ -894,9 +895,15 @@ pub fn decode_request(
             }
             let min = e.block.min.max(1) as u64;
             if h.offset % min != 0 || h.len as u64 % min != 0 {
-                return reject(errno::EINVAL, "request not aligned to the minimum block size");
+                return reject(
+                    errno::EINVAL,
+                    "request not aligned to the minimum block size",
+                );
             }
-            let in_range = h.offset.checked_add(h.len as u64).is_some_and(|end| end <= size);
+            let in_range = h
+                .offset
+                .checked_add(h.len as u64)
+                .is_some_and(|end| end <= size);
             if !in_range {
                 let errno = if writes { errno::ENOSPC } else { errno::EINVAL };
                 return reject(errno, "request past the end of the export");
@@ -935,8 +942,8 @@ pub fn structured_header(flags: u16, typ: u16, cookie: u64, len: u32) -> [u8; 20
 /// Encodes a complete structured `NBD_REPLY_TYPE_ERROR` chunk (final).
 pub fn structured_error(cookie: u64, errno: u32, msg: &str) -> Vec<u8> {
     let msg = &msg.as_bytes()[..msg.len().min(4096)];
-    let mut b = structured_header(chunk::FLAG_DONE, chunk::ERROR, cookie, 6 + msg.len() as u32)
-        .to_vec();
+    let mut b =
+        structured_header(chunk::FLAG_DONE, chunk::ERROR, cookie, 6 + msg.len() as u32).to_vec();
     b.extend_from_slice(&errno.to_be_bytes());
     b.extend_from_slice(&(msg.len() as u16).to_be_bytes());
     b.extend_from_slice(msg);

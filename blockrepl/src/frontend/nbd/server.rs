@@ -339,7 +339,10 @@ impl NbdServer {
         self.transmission(sock, session, export).await
     }
 
-    async fn handshake(&self, mut sock: BoxStream) -> Result<(BoxStream, Option<Session>), NbdError> {
+    async fn handshake(
+        &self,
+        mut sock: BoxStream,
+    ) -> Result<(BoxStream, Option<Session>), NbdError> {
         let tls = self.inner.cfg.tls.as_ref().map_or(TlsMode::Off, |t| t.1);
         let mut neg = Negotiation::new(tls);
         let mut buf = vec![0u8; 4096];
@@ -358,10 +361,7 @@ impl NbdServer {
                     let Some((acceptor, _)) = &self.inner.cfg.tls else {
                         return Err(NbdError::Config("STARTTLS without TLS".into()));
                     };
-                    let tls = acceptor
-                        .accept(sock)
-                        .await
-                        .map_err(io("TLS handshake"))?;
+                    let tls = acceptor.accept(sock).await.map_err(io("TLS handshake"))?;
                     sock = Box::pin(tls);
                     neg.tls_established();
                     continue;
@@ -370,7 +370,10 @@ impl NbdServer {
             // Read no more than the handshake needs: what follows belongs
             // to the transmission phase (or to TLS).
             let want = neg.wants().min(buf.len());
-            let n = sock.read(&mut buf[..want]).await.map_err(io("read handshake"))?;
+            let n = sock
+                .read(&mut buf[..want])
+                .await
+                .map_err(io("read handshake"))?;
             if n == 0 {
                 return Err(NbdError::Disconnected);
             }
@@ -414,9 +417,10 @@ impl NbdServer {
                     counters.request_errors.fetch_add(1, Ordering::Relaxed);
                     let mut left = skip as u64;
                     if left > 0 {
-                        let copied = tokio::io::copy(&mut (&mut rd).take(left), &mut tokio::io::sink())
-                            .await
-                            .map_err(io("skip payload"));
+                        let copied =
+                            tokio::io::copy(&mut (&mut rd).take(left), &mut tokio::io::sink())
+                                .await
+                                .map_err(io("skip payload"));
                         match copied {
                             Ok(n) => left -= n,
                             Err(e) => break Err(e),
@@ -466,7 +470,10 @@ impl NbdServer {
             tokio::spawn(async move {
                 let reply = execute(&disk, req, payload).await;
                 if matches!(reply, Reply::Error { .. }) {
-                    errors.counters.request_errors.fetch_add(1, Ordering::Relaxed);
+                    errors
+                        .counters
+                        .request_errors
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 let _ = tx.send(reply).await;
                 drop((slot, budget));
@@ -490,10 +497,23 @@ fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> NbdError {
 /// A reply on its way to the writer.
 #[derive(Debug)]
 enum Reply {
-    Ok { cookie: u64 },
-    Data { cookie: u64, offset: u64, data: Bytes },
-    BlockStatus { cookie: u64, len: u32 },
-    Error { cookie: u64, errno: u32, msg: &'static str },
+    Ok {
+        cookie: u64,
+    },
+    Data {
+        cookie: u64,
+        offset: u64,
+        data: Bytes,
+    },
+    BlockStatus {
+        cookie: u64,
+        len: u32,
+    },
+    Error {
+        cookie: u64,
+        errno: u32,
+        msg: &'static str,
+    },
 }
 
 /// The NBD errno for a volume error.

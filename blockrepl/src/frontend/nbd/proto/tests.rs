@@ -60,7 +60,11 @@ fn replies(mut b: &[u8]) -> Vec<(u32, u32, Vec<u8>)> {
     while b.len() >= 20 {
         assert_eq!(be_u64(&b[0..8]), OPT_REPLY_MAGIC);
         let len = be_u32(&b[16..20]) as usize;
-        v.push((be_u32(&b[8..12]), be_u32(&b[12..16]), b[20..20 + len].to_vec()));
+        v.push((
+            be_u32(&b[8..12]),
+            be_u32(&b[12..16]),
+            b[20..20 + len].to_vec(),
+        ));
         b = &b[20 + len..];
     }
     assert!(b.is_empty(), "trailing bytes {b:?}");
@@ -88,7 +92,10 @@ fn go_with_structured_replies_and_meta_context() {
     meta.extend_from_slice(&(BASE_ALLOCATION.len() as u32).to_be_bytes());
     meta.extend_from_slice(BASE_ALLOCATION.as_bytes());
     input.extend(option(opt::SET_META_CONTEXT, &meta));
-    input.extend(option(opt::GO, &go_data("vol0", &[info::BLOCK_SIZE, info::NAME])));
+    input.extend(option(
+        opt::GO,
+        &go_data("vol0", &[info::BLOCK_SIZE, info::NAME]),
+    ));
     input.extend_from_slice(b"trailing request bytes");
     // Feed one byte at a time: the state machine must not care.
     let mut used = 0;
@@ -100,7 +107,15 @@ fn go_with_structured_replies_and_meta_context() {
     let types: Vec<u32> = r.iter().map(|x| x.1).collect();
     assert_eq!(
         types,
-        vec![rep::ACK, rep::META_CONTEXT, rep::ACK, rep::INFO, rep::INFO, rep::INFO, rep::ACK]
+        vec![
+            rep::ACK,
+            rep::META_CONTEXT,
+            rep::ACK,
+            rep::INFO,
+            rep::INFO,
+            rep::INFO,
+            rep::ACK
+        ]
     );
     assert_eq!(&r[1].2[4..], BASE_ALLOCATION.as_bytes());
     let export = &r[3].2;
@@ -154,13 +169,19 @@ fn list_info_unknown_and_export_name() {
     assert_ne!(ro_flags & tflag::READ_ONLY, 0);
     assert_eq!(ro_flags & tflag::SEND_TRIM, 0);
     assert_eq!(*n.phase(), Phase::Negotiating);
-    // EXPORT_NAME with the default export "", no-zeroes not requested.
+    // EXPORT_NAME with the default export ""; the client asked for no zeroes.
     let input = option(opt::EXPORT_NAME, b"");
     n.feed(&c, &input);
     let out = n.take_output();
-    assert_eq!(out.len(), 8 + 2 + 124);
+    assert_eq!(out.len(), 8 + 2);
     assert_eq!(be_u64(&out[..8]), 1 << 20);
     assert!(matches!(n.phase(), Phase::Transmission(s) if !s.structured));
+    // Without NO_ZEROES the reply carries 124 zero bytes.
+    let mut n = Negotiation::new(TlsMode::Off);
+    n.feed(&c, &1u32.to_be_bytes());
+    n.take_output();
+    n.feed(&c, &option(opt::EXPORT_NAME, b"ro"));
+    assert_eq!(n.take_output().len(), 8 + 2 + 124);
 }
 
 #[test]
@@ -174,22 +195,33 @@ fn fatal_handshake_errors() {
     assert_eq!(*n.phase(), Phase::Closed(ProtocolError::NotFixedNewstyle));
     let mut n = start();
     n.feed(&c, &[0u8; 16]);
-    assert!(matches!(n.phase(), Phase::Closed(ProtocolError::OptionMagic(0))));
+    assert!(matches!(
+        n.phase(),
+        Phase::Closed(ProtocolError::OptionMagic(0))
+    ));
     let mut n = start();
     let mut hdr = IHAVEOPT.to_be_bytes().to_vec();
     hdr.extend_from_slice(&opt::GO.to_be_bytes());
     hdr.extend_from_slice(&u32::MAX.to_be_bytes());
     n.feed(&c, &hdr);
-    assert!(matches!(n.phase(), Phase::Closed(ProtocolError::OptionTooLong { .. })));
+    assert!(matches!(
+        n.phase(),
+        Phase::Closed(ProtocolError::OptionTooLong { .. })
+    ));
     let mut n = start();
     n.feed(&c, &option(opt::EXPORT_NAME, b"missing"));
-    assert!(matches!(n.phase(), Phase::Closed(ProtocolError::UnknownExport(_))));
+    assert!(matches!(
+        n.phase(),
+        Phase::Closed(ProtocolError::UnknownExport(_))
+    ));
     let mut n = start();
     n.feed(&c, &option(opt::ABORT, &[]));
     assert_eq!(replies(&n.take_output())[0].1, rep::ACK);
     assert_eq!(*n.phase(), Phase::Closed(ProtocolError::Aborted));
     let mut n = start();
-    let many: Vec<u8> = (0..=MAX_OPTIONS).flat_map(|_| option(opt::LIST, &[])).collect();
+    let many: Vec<u8> = (0..=MAX_OPTIONS)
+        .flat_map(|_| option(opt::LIST, &[]))
+        .collect();
     n.feed(&c, &many);
     assert_eq!(*n.phase(), Phase::Closed(ProtocolError::TooManyOptions));
 }
@@ -243,10 +275,17 @@ fn request_validation() {
         other => panic!("{other:?}"),
     };
     assert!(ok(decode_request(&header(0, 0, 0, 4096), &s, size)));
-    assert!(ok(decode_request(&header(1, cflag::FUA, 512, 100), &s, size)));
+    assert!(ok(decode_request(
+        &header(1, cflag::FUA, 512, 100),
+        &s,
+        size
+    )));
     assert!(ok(decode_request(&header(3, 0, 0, 0), &s, size)));
     // Out of range: read EINVAL, write ENOSPC with the payload to skip.
-    assert_eq!(errno_of(decode_request(&header(0, 0, size, 1), &s, size)), (errno::EINVAL, 0));
+    assert_eq!(
+        errno_of(decode_request(&header(0, 0, size, 1), &s, size)),
+        (errno::EINVAL, 0)
+    );
     assert_eq!(
         errno_of(decode_request(&header(1, 0, size - 1, 2), &s, size)),
         (errno::ENOSPC, 2)
@@ -256,14 +295,37 @@ fn request_validation() {
         (errno::EINVAL, 0)
     );
     // Unknown command and flags, zero length, read too large.
-    assert_eq!(errno_of(decode_request(&header(42, 0, 0, 1), &s, size)).0, errno::EINVAL);
-    assert_eq!(errno_of(decode_request(&header(0, 0x8000, 0, 1), &s, size)).0, errno::EINVAL);
-    assert_eq!(errno_of(decode_request(&header(0, cflag::FUA, 0, 1), &s, size)).0, errno::EINVAL);
-    assert_eq!(errno_of(decode_request(&header(0, cflag::DF, 0, 1), &s, size)).0, errno::EINVAL);
-    assert_eq!(errno_of(decode_request(&header(0, 0, 0, 0), &s, size)).0, errno::EINVAL);
-    assert_eq!(errno_of(decode_request(&header(7, 0, 0, 1), &s, size)).0, errno::EINVAL);
     assert_eq!(
-        errno_of(decode_request(&header(0, 0, 0, (32 << 20) + 1), &s, u64::MAX)).0,
+        errno_of(decode_request(&header(42, 0, 0, 1), &s, size)).0,
+        errno::EINVAL
+    );
+    assert_eq!(
+        errno_of(decode_request(&header(0, 0x8000, 0, 1), &s, size)).0,
+        errno::EINVAL
+    );
+    assert_eq!(
+        errno_of(decode_request(&header(0, cflag::FUA, 0, 1), &s, size)).0,
+        errno::EINVAL
+    );
+    assert_eq!(
+        errno_of(decode_request(&header(0, cflag::DF, 0, 1), &s, size)).0,
+        errno::EINVAL
+    );
+    assert_eq!(
+        errno_of(decode_request(&header(0, 0, 0, 0), &s, size)).0,
+        errno::EINVAL
+    );
+    assert_eq!(
+        errno_of(decode_request(&header(7, 0, 0, 1), &s, size)).0,
+        errno::EINVAL
+    );
+    assert_eq!(
+        errno_of(decode_request(
+            &header(0, 0, 0, (32 << 20) + 1),
+            &s,
+            u64::MAX
+        ))
+        .0,
         errno::EOVERFLOW
     );
     // Write payload too large to skip: fatal.
@@ -283,9 +345,20 @@ fn request_validation() {
         structured: true,
         base_allocation: true,
     };
-    assert_eq!(errno_of(decode_request(&header(1, 0, 0, 4), &ro, 8192)), (errno::EPERM, 4));
-    assert!(ok(decode_request(&header(7, cflag::REQ_ONE, 0, 8192), &ro, 8192)));
-    assert!(ok(decode_request(&header(0, cflag::DF, 0, 8192), &ro, 8192)));
+    assert_eq!(
+        errno_of(decode_request(&header(1, 0, 0, 4), &ro, 8192)),
+        (errno::EPERM, 4)
+    );
+    assert!(ok(decode_request(
+        &header(7, cflag::REQ_ONE, 0, 8192),
+        &ro,
+        8192
+    )));
+    assert!(ok(decode_request(
+        &header(0, cflag::DF, 0, 8192),
+        &ro,
+        8192
+    )));
 }
 
 #[test]

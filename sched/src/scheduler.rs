@@ -476,7 +476,7 @@ impl Scheduler {
                 }
                 s.normalize(&cx, &state, scores);
                 for (t, v) in totals.iter_mut().zip(scores.iter()) {
-                    *t += w * v;
+                    *t = t.saturating_add(w.saturating_mul(*v));
                 }
             }
             let mut bi = 0;

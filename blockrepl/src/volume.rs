@@ -119,7 +119,7 @@ pub fn create_replacement_replica(path: impl AsRef<Path>, size_bytes: u64) -> Re
 }
 
 fn create_store(path: &Path, size_bytes: u64, state: ReplicaState) -> Result<()> {
-    if size_bytes == 0 || size_bytes % BLOCK_SIZE_U64 != 0 {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK_SIZE_U64) {
         return Err(Error::InvalidArgument(format!(
             "volume size {size_bytes} is not a positive multiple of 4096"
         )));
@@ -177,7 +177,7 @@ impl std::fmt::Debug for CmdBox {
 }
 
 fn check_aligned(offset: u64, len: u64) -> Result<()> {
-    if offset % BLOCK_SIZE_U64 != 0 || len % BLOCK_SIZE_U64 != 0 {
+    if !offset.is_multiple_of(BLOCK_SIZE_U64) || !len.is_multiple_of(BLOCK_SIZE_U64) {
         return Err(Error::Unaligned { offset, len });
     }
     Ok(())

@@ -412,12 +412,15 @@ struct RebuildState {
     ending: bool,
 }
 
+/// (layer, lba, blocks, tags per replica, replicas asked)
+type ScrubChunk = (u64, u64, u32, HashMap<ReplicaId, Vec<BlockTag>>, usize);
+
 #[derive(Debug)]
 struct ScrubState {
     layers: Vec<u64>,
     layer_idx: usize,
     next_lba: u64,
-    chunks: HashMap<u64, (u64, u64, u32, HashMap<ReplicaId, Vec<BlockTag>>, usize)>,
+    chunks: HashMap<u64, ScrubChunk>,
     next_chunk: u64,
     report: ScrubReport,
 }
@@ -791,7 +794,7 @@ impl Engine {
                     | ClientOp::Resize { .. }
             );
             // Layer changes wait for running rebuilds (which copy layer by layer).
-            let can_run = can_run && !(admin && !self.rebuilds.is_empty());
+            let can_run = can_run && (!admin || self.rebuilds.is_empty());
             if conflict || !can_run {
                 blocked.push(shape);
                 i += 1;

@@ -789,7 +789,11 @@ mod tests {
 
     fn layers() -> impl Strategy<Value = Vec<LayerInfo>> {
         prop::collection::vec(
-            (any::<u64>(), "[a-z0-9]{0,12}", tag()).prop_map(|(id, name, created)| LayerInfo { id, name, created }),
+            (any::<u64>(), "[a-z0-9]{0,12}", tag()).prop_map(|(id, name, created)| LayerInfo {
+                id,
+                name,
+                created,
+            }),
             1..4,
         )
     }
@@ -799,32 +803,55 @@ mod tests {
             Just(CopyEntry::Absent),
             Just(CopyEntry::Skip),
             tag().prop_map(CopyEntry::Zero),
-            (tag(), any::<u8>()).prop_map(|(t, b)| CopyEntry::Data(t, Bytes::from(vec![b; BLOCK_SIZE]))),
+            (tag(), any::<u8>())
+                .prop_map(|(t, b)| CopyEntry::Data(t, Bytes::from(vec![b; BLOCK_SIZE]))),
         ]
     }
 
     fn request() -> impl Strategy<Value = Request> {
         prop_oneof![
             Just(Request::Probe),
-            (any::<u64>(), any::<u64>()).prop_map(|(epoch, engine)| Request::Attach { epoch, engine }),
+            (any::<u64>(), any::<u64>())
+                .prop_map(|(epoch, engine)| Request::Attach { epoch, engine }),
             any::<u64>().prop_map(|epoch| Request::Ping { epoch }),
-            (any::<u64>(), tag(), any::<u64>(), 1u32..4, any::<u8>()).prop_map(|(epoch, tag, lba, n, b)| Request::Op {
-                epoch,
-                tag,
-                op: Op::Write { lba, data: Bytes::from(vec![b; n as usize * BLOCK_SIZE]) },
-            }),
-            (any::<u64>(), tag(), any::<u64>(), 1u32..=256).prop_map(|(epoch, tag, lba, blocks)| Request::Op {
-                epoch,
-                tag,
-                op: Op::Zero { lba, blocks },
-            }),
-            (any::<u64>(), tag(), "[a-z]{1,10}", any::<u64>()).prop_map(|(epoch, tag, name, new_head)| Request::Op {
-                epoch,
-                tag,
-                op: Op::Snapshot { name, new_head },
-            }),
-            (any::<u64>(), any::<u64>(), any::<u64>(), 1u32..=256, any::<bool>())
-                .prop_map(|(epoch, layer, lba, blocks, data)| Request::ReadLayer { epoch, layer, lba, blocks, data }),
+            (any::<u64>(), tag(), any::<u64>(), 1u32..4, any::<u8>()).prop_map(
+                |(epoch, tag, lba, n, b)| Request::Op {
+                    epoch,
+                    tag,
+                    op: Op::Write {
+                        lba,
+                        data: Bytes::from(vec![b; n as usize * BLOCK_SIZE])
+                    },
+                }
+            ),
+            (any::<u64>(), tag(), any::<u64>(), 1u32..=256).prop_map(
+                |(epoch, tag, lba, blocks)| Request::Op {
+                    epoch,
+                    tag,
+                    op: Op::Zero { lba, blocks },
+                }
+            ),
+            (any::<u64>(), tag(), "[a-z]{1,10}", any::<u64>()).prop_map(
+                |(epoch, tag, name, new_head)| Request::Op {
+                    epoch,
+                    tag,
+                    op: Op::Snapshot { name, new_head },
+                }
+            ),
+            (
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                1u32..=256,
+                any::<bool>()
+            )
+                .prop_map(|(epoch, layer, lba, blocks, data)| Request::ReadLayer {
+                    epoch,
+                    layer,
+                    lba,
+                    blocks,
+                    data
+                }),
             (any::<u64>(), any::<u64>(), tag(), any::<u64>(), layers()).prop_map(
                 |(epoch, session, start, size_blocks, layers)| Request::RebuildBegin {
                     epoch,
@@ -834,8 +861,20 @@ mod tests {
                     layers
                 }
             ),
-            (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>(), prop::collection::vec(entry(), 1..4))
-                .prop_map(|(epoch, session, layer, lba, entries)| Request::Copy { epoch, session, layer, lba, entries }),
+            (
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<u64>(),
+                prop::collection::vec(entry(), 1..4)
+            )
+                .prop_map(|(epoch, session, layer, lba, entries)| Request::Copy {
+                    epoch,
+                    session,
+                    layer,
+                    lba,
+                    entries
+                }),
         ]
     }
 
@@ -868,7 +907,16 @@ mod tests {
     fn errors_name_the_problem() {
         let e = ReqFrame::decode(&[0, 0, 0, 0, 0, 0, 0, 0, 99]).unwrap_err();
         assert!(e.0.contains("unknown request kind 99"), "{e}");
-        let mut b = ReqFrame { id: 1, req: Request::Read { epoch: 1, lba: 0, blocks: 1 } }.encode().to_vec();
+        let mut b = ReqFrame {
+            id: 1,
+            req: Request::Read {
+                epoch: 1,
+                lba: 0,
+                blocks: 1,
+            },
+        }
+        .encode()
+        .to_vec();
         let n = b.len();
         b[n - 4..].copy_from_slice(&100_000u32.to_le_bytes());
         assert!(ReqFrame::decode(&b).unwrap_err().0.contains("block count"));

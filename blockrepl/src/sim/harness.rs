@@ -149,6 +149,9 @@ struct Client {
     seq: u64,
 }
 
+/// A replica's logical content: (layer, block) → (tag state, data).
+type Image = BTreeMap<(u64, u64), (BlockTag, Option<Vec<u8>>)>;
+
 /// One simulation run.
 pub struct Sim {
     cfg: SimConfig,
@@ -321,7 +324,7 @@ impl Sim {
         let mut n = 0u64;
         while self.now < deadline {
             n += 1;
-            if n % 32 == 0 && self.converged() {
+            if n.is_multiple_of(32) && self.converged() {
                 break;
             }
             if !self.step() {
@@ -766,7 +769,7 @@ impl Sim {
             // Snapshot churn: create, and delete the oldest beyond two.
             self.snap_n += 1;
             let name = format!("s{}", self.snap_n);
-            let op = if self.snap_n % 3 == 0 {
+            let op = if self.snap_n.is_multiple_of(3) {
                 ClientOp::DeleteSnapshot {
                     name: format!("s{}", self.snap_n - 2),
                 }
@@ -963,7 +966,7 @@ impl Sim {
     }
 
     fn compare_replicas(&mut self, report: &mut SimReport) {
-        let mut images: Vec<BTreeMap<(u64, u64), (BlockTag, Option<Vec<u8>>)>> = Vec::new();
+        let mut images: Vec<Image> = Vec::new();
         for r in 0..self.replicas.len() {
             let Some(core) = self.replicas[r].core.as_ref() else {
                 report

@@ -148,6 +148,7 @@ const INF: u64 = u64::MAX;
 
 #[derive(Clone, Copy, Debug)]
 struct W {
+    #[allow(dead_code)] // kept for debugging output
     op: usize,
     invoke: u64,
     complete: u64,

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 ///
 /// Reads past the end of the file return zeros (sparse semantics). Writes are
 /// durable only after [`StoreFile::sync`] returns.
+#[allow(clippy::len_without_is_empty)] // a file length, not a collection
 pub trait StoreFile: Send + fmt::Debug {
     /// Reads exactly `buf.len()` bytes at `off`; bytes past the end read as zero.
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()>;

@@ -212,7 +212,11 @@ fn misdirected_writes_never_return_wrong_data() {
         let mut rng = Prng::new(seed ^ 77);
         let mut s = new_store(&d, 8);
         s.set_checkpoint_bytes(2 * (BLOCK_SIZE as u64 + 64));
-        d.set_faults(crate::sim::disk::DiskFaults { misdirect: 0.2, slow: 1, ..Default::default() });
+        d.set_faults(crate::sim::disk::DiskFaults {
+            misdirect: 0.2,
+            slow: 1,
+            ..Default::default()
+        });
         let mut expect = [0u8; 8];
         for i in 1..40u64 {
             let lba = rng.below(7);
@@ -230,7 +234,11 @@ fn misdirected_writes_never_return_wrong_data() {
             for b in 0..8 {
                 let (got, ok) = read1(&s, b);
                 if ok {
-                    assert_eq!(got, blk(expect[b as usize]), "seed {seed} step {i} block {b}");
+                    assert_eq!(
+                        got,
+                        blk(expect[b as usize]),
+                        "seed {seed} step {i} block {b}"
+                    );
                 }
             }
         }

@@ -243,6 +243,7 @@ impl StoreFile for SimFile {
         if self.name.ends_with(".data") && st.faults.misdirect > 0.0 {
             let p = st.faults.misdirect;
             if st.rng.chance(p) {
+                tracing::debug!(file = %self.name, off, len = buf.len(), "misdirected write");
                 off += 4096;
                 st.injected += 1;
             }

@@ -1006,6 +1006,15 @@ impl Sim {
                 let bad = |t: &BlockTag| matches!(t, BlockTag::Present { valid: false, .. });
                 if a != v || bad(&a.0) || bad(&v.0) {
                     if div == 0 {
+                        for (ri, rn) in self.replicas.iter().enumerate() {
+                            if let Some(st) = rn.core.as_ref().and_then(|c| c.store()) {
+                                tracing::info!(
+                                    replica = ri,
+                                    entry = st.describe_block(k.0, k.1),
+                                    "divergent block"
+                                );
+                            }
+                        }
                         report.violations.push(format!(
                             "replica copy differs at (layer, block) {k:?}: {:?} vs {:?} (data: {:?} vs {:?})",
                             a.0,

@@ -879,6 +879,38 @@ impl Store {
         self.write_sb()
     }
 
+    /// Debug description of a block's entry in a layer (for diagnostics).
+    pub fn describe_block(&self, layer: u64, lba: u64) -> String {
+        let Some(li) = self.layer_index(layer) else {
+            return "no layer".into();
+        };
+        let e = self.layers[li].blocks.get(&lba);
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        let actual = e.map(|e| match e.loc {
+            Loc::Layer => self.layers[li]
+                .data
+                .read_at(&mut buf, lba * BLOCK_SIZE_U64)
+                .map(|_| block_crc(lba, &buf))
+                .ok(),
+            Loc::Wal(off) => self
+                .wal
+                .read_at(&mut buf, off)
+                .map(|_| block_crc(lba, &buf))
+                .ok(),
+            Loc::Damaged => None,
+        });
+        let rl = self
+            .read_layer(layer, lba, 1, true)
+            .ok()
+            .and_then(|mut v| v.pop())
+            .and_then(|(_, d)| d);
+        let same = rl.as_deref() == Some(&buf[..]);
+        format!(
+            "{e:?} actual crc {actual:?} head {:?} read_layer same {same}",
+            &buf[..16]
+        )
+    }
+
     /// Ids of the layers, bottom first.
     pub fn layer_ids(&self) -> Vec<u64> {
         self.layers.iter().map(|l| l.info.id).collect()

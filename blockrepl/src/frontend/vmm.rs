@@ -75,7 +75,7 @@ impl VolumeBackend {
     }
 
     /// Offers the disk read-only to the guest.
-    pub fn read_only(mut self, ro: bool) -> Self {
+    pub fn with_read_only(mut self, ro: bool) -> Self {
         self.read_only = ro;
         self
     }

@@ -49,12 +49,16 @@ fn io(c: &mut Criterion) {
         .build()
         .unwrap();
     let mut g = c.benchmark_group("replicated");
-    g.sample_size(20).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1));
     for n in [1usize, 3] {
         let dir = tempfile::tempdir().unwrap();
         let vol = rt.block_on(async {
             let addrs = servers(dir.path(), n, true).await;
-            let v = Volume::attach(VolumeConfig::remote(&addrs, secret())).await.unwrap();
+            let v = Volume::attach(VolumeConfig::remote(&addrs, secret()))
+                .await
+                .unwrap();
             // Fill 64 MiB so reads hit data.
             let chunk = Bytes::from(vec![0x5au8; 1 << 20]);
             for i in 0..64u64 {
@@ -66,12 +70,17 @@ fn io(c: &mut Criterion) {
         let blk = Bytes::from(vec![7u8; 4096]);
         let mut x = 1u64;
         let mut next_lba = move || {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (x >> 33) % ((64 << 20) / 4096)
         };
         g.throughput(Throughput::Bytes(4096));
         g.bench_function(BenchmarkId::new("write_4k_qd1", n), |b| {
-            b.iter(|| rt.block_on(vol.write(next_lba() * 4096, blk.clone())).unwrap())
+            b.iter(|| {
+                rt.block_on(vol.write(next_lba() * 4096, blk.clone()))
+                    .unwrap()
+            })
         });
         g.bench_function(BenchmarkId::new("read_4k_qd1", n), |b| {
             b.iter(|| rt.block_on(vol.read(next_lba() * 4096, 4096)).unwrap())
@@ -80,7 +89,9 @@ fn io(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("write_4k_qd32", n), |b| {
             b.iter(|| {
                 rt.block_on(async {
-                    let futs: Vec<_> = (0..32).map(|_| vol.write(next_lba() * 4096, blk.clone())).collect();
+                    let futs: Vec<_> = (0..32)
+                        .map(|_| vol.write(next_lba() * 4096, blk.clone()))
+                        .collect();
                     for f in futs {
                         f.await.unwrap();
                     }
@@ -100,12 +111,20 @@ fn io(c: &mut Criterion) {
         let big = Bytes::from(vec![3u8; 1 << 20]);
         g.throughput(Throughput::Bytes(1 << 20));
         g.bench_function(BenchmarkId::new("write_1m", n), |b| {
-            b.iter(|| rt.block_on(vol.write((next_lba() % 64) << 20, big.clone())).unwrap())
+            b.iter(|| {
+                rt.block_on(vol.write((next_lba() % 64) << 20, big.clone()))
+                    .unwrap()
+            })
         });
         g.bench_function(BenchmarkId::new("read_1m", n), |b| {
-            b.iter(|| rt.block_on(vol.read((next_lba() % 64) << 20, 1 << 20)).unwrap())
+            b.iter(|| {
+                rt.block_on(vol.read((next_lba() % 64) << 20, 1 << 20))
+                    .unwrap()
+            })
         });
-        g.bench_function(BenchmarkId::new("flush", n), |b| b.iter(|| rt.block_on(vol.flush()).unwrap()));
+        g.bench_function(BenchmarkId::new("flush", n), |b| {
+            b.iter(|| rt.block_on(vol.flush()).unwrap())
+        });
         rt.block_on(vol.detach()).unwrap();
     }
     g.finish();
@@ -113,6 +132,10 @@ fn io(c: &mut Criterion) {
 
 /// Rebuild of a replica replaced by an empty one: 64 MiB of data copied
 /// from a healthy replica while the volume is attached.
+///
+/// Not in the group yet: the second attach in this harness times out
+/// (open item in docs/dev/STATUS.md).
+#[allow(dead_code)]
 fn rebuild(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -140,7 +163,9 @@ fn rebuild(c: &mut Criterion) {
                     create_replacement_replica(dir.path().join("r1"), SIZE).unwrap();
                     let addrs2 = servers(dir.path(), 2, false).await;
                     let t0 = Instant::now();
-                    let v = Volume::attach(VolumeConfig::remote(&addrs2, secret())).await.unwrap();
+                    let v = Volume::attach(VolumeConfig::remote(&addrs2, secret()))
+                        .await
+                        .unwrap();
                     loop {
                         let st = v.status().await.unwrap();
                         if st.active.len() == 2 && st.rebuilding.is_empty() {
@@ -159,5 +184,5 @@ fn rebuild(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, io, rebuild);
+criterion_group!(benches, io);
 criterion_main!(benches);

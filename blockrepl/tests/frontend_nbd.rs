@@ -198,6 +198,7 @@ fn fio(uri: &str, extra: &[&str]) -> serde_json::Value {
             "--ioengine=nbd",
             &format!("--uri={uri}"),
             "--output-format=json",
+            "--verify_state_save=0",
         ])
         .args(extra));
     // fio prints notes before the JSON on some versions.

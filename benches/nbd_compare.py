@@ -3,7 +3,7 @@
 """Side-by-side NBD benchmark: qemu-nbd (reference) vs sheaf 1 replica vs
 sheaf 3 replicas on loopback, all measured with fio's nbd engine in one run.
 
-    benches/nbd_compare.py [--runtime 10] [--size-mib 512] [--no-docs]
+    benches/nbd_compare.py [--runtime 10] [--size-mib 512] [--no-docs] [--bindir DIR]
 
 Builds sheaf-blockd and sheaf-replica (release), starts
 
@@ -179,11 +179,13 @@ def main():
     ap.add_argument("--runtime", type=int, default=10, help="seconds per workload and target")
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    ap.add_argument("--bindir", type=Path,
+                    help="use sheaf-blockd and sheaf-replica from here instead of building")
     args = ap.parse_args()
     for tool in ("fio", "qemu-nbd"):
         if not shutil.which(tool):
             raise SystemExit(f"{tool} missing: run scripts/setup")
-    bindir = build()
+    bindir = args.bindir or build()
     size = args.size_mib << 20
     results = {}
     loads = []

@@ -23,7 +23,7 @@
 //! * A replica that times out, refuses or faults leaves the active set and
 //!   is rebuilt (incrementally: only blocks whose tags differ are copied).
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use bytes::{Bytes, BytesMut};
 use tracing::{debug, info, warn};
@@ -357,11 +357,11 @@ struct Inflight {
 struct ReadState {
     lba: u64,
     blocks: u32,
-    tried: HashSet<ReplicaId>,
+    tried: BTreeSet<ReplicaId>,
     data: Option<Bytes>,
-    confirmed: HashSet<ReplicaId>,
+    confirmed: BTreeSet<ReplicaId>,
     /// Ping round started (replicas asked).
-    asked: HashSet<ReplicaId>,
+    asked: BTreeSet<ReplicaId>,
 }
 
 #[derive(Debug)]
@@ -382,7 +382,7 @@ enum Commit {
 #[derive(Debug)]
 struct FlushState {
     op: OpId,
-    waiting: HashSet<ReplicaId>,
+    waiting: BTreeSet<ReplicaId>,
 }
 
 #[derive(Debug, Clone)]
@@ -405,7 +405,7 @@ struct RebuildState {
     layers: Vec<u64>,
     layer_idx: usize,
     next_lba: u64,
-    chunks: HashMap<u64, Chunk>,
+    chunks: BTreeMap<u64, Chunk>,
     next_chunk: u64,
     copy_done: bool,
     incomplete: bool,
@@ -413,14 +413,14 @@ struct RebuildState {
 }
 
 /// (layer, lba, blocks, tags per replica, replicas asked)
-type ScrubChunk = (u64, u64, u32, HashMap<ReplicaId, Vec<BlockTag>>, usize);
+type ScrubChunk = (u64, u64, u32, BTreeMap<ReplicaId, Vec<BlockTag>>, usize);
 
 #[derive(Debug)]
 struct ScrubState {
     layers: Vec<u64>,
     layer_idx: usize,
     next_lba: u64,
-    chunks: HashMap<u64, ScrubChunk>,
+    chunks: BTreeMap<u64, ScrubChunk>,
     next_chunk: u64,
     report: ScrubReport,
 }
@@ -437,18 +437,18 @@ pub struct Engine {
     size_blocks: u64,
     layers: Vec<LayerInfo>,
     next_req: u64,
-    pending: HashMap<u64, Pending>,
+    pending: BTreeMap<u64, Pending>,
     out: VecDeque<Output>,
     queue: VecDeque<Queued>,
-    inflight: HashMap<OpId, Inflight>,
-    reads: HashMap<OpId, ReadState>,
+    inflight: BTreeMap<OpId, Inflight>,
+    reads: BTreeMap<OpId, ReadState>,
     writes: BTreeMap<u64, WriteState>,
-    flushes: HashMap<u64, FlushState>,
+    flushes: BTreeMap<u64, FlushState>,
     next_flush: u64,
     rebuilds: Vec<RebuildState>,
     next_session: u64,
     scrub: Option<(OpId, ScrubState)>,
-    detach: Option<(OpId, HashSet<ReplicaId>)>,
+    detach: Option<(OpId, BTreeSet<ReplicaId>)>,
     rr: usize,
     pumping: bool,
     repump: bool,
@@ -483,13 +483,13 @@ impl Engine {
             size_blocks: 0,
             layers: Vec::new(),
             next_req: 1,
-            pending: HashMap::new(),
+            pending: BTreeMap::new(),
             out: VecDeque::new(),
             queue: VecDeque::new(),
-            inflight: HashMap::new(),
-            reads: HashMap::new(),
+            inflight: BTreeMap::new(),
+            reads: BTreeMap::new(),
             writes: BTreeMap::new(),
-            flushes: HashMap::new(),
+            flushes: BTreeMap::new(),
             next_flush: 1,
             rebuilds: Vec::new(),
             next_session: 1,
@@ -815,10 +815,10 @@ impl Engine {
                     ReadState {
                         lba,
                         blocks,
-                        tried: HashSet::new(),
+                        tried: BTreeSet::new(),
                         data: None,
-                        confirmed: HashSet::new(),
-                        asked: HashSet::new(),
+                        confirmed: BTreeSet::new(),
+                        asked: BTreeSet::new(),
                     },
                 );
                 self.read_attempt(id);
@@ -935,7 +935,7 @@ impl Engine {
                     layers: self.layers.iter().map(|l| l.id).collect(),
                     layer_idx: 0,
                     next_lba: 0,
-                    chunks: HashMap::new(),
+                    chunks: BTreeMap::new(),
                     next_chunk: 0,
                     report: ScrubReport::default(),
                 };
@@ -943,7 +943,7 @@ impl Engine {
                 self.scrub_pump();
             }
             ClientOp::Detach => {
-                let targets: HashSet<ReplicaId> = (0..self.peers.len())
+                let targets: BTreeSet<ReplicaId> = (0..self.peers.len())
                     .filter(|&r| self.peers[r].link == Link::Attached)
                     .collect();
                 for &r in &targets {
@@ -1130,7 +1130,7 @@ impl Engine {
             .filter(|(_, p)| p.deadline <= self.now)
             .map(|(&id, p)| (id, p.to))
             .collect();
-        let mut failed = HashSet::new();
+        let mut failed = BTreeSet::new();
         for (_, to) in expired {
             failed.insert(to);
         }
@@ -1705,7 +1705,7 @@ impl Engine {
                 layers: self.layers.iter().map(|l| l.id).collect(),
                 layer_idx: 0,
                 next_lba: 0,
-                chunks: HashMap::new(),
+                chunks: BTreeMap::new(),
                 next_chunk: 0,
                 copy_done: false,
                 incomplete: false,
@@ -2052,7 +2052,7 @@ impl Engine {
             let chunk = st.next_chunk;
             st.next_chunk += 1;
             st.chunks
-                .insert(chunk, (layer, lba, blocks, HashMap::new(), actives.len()));
+                .insert(chunk, (layer, lba, blocks, BTreeMap::new(), actives.len()));
             for &r in &actives {
                 sends.push((
                     r,

@@ -6,7 +6,7 @@
 //! every choice comes from one [`Prng`]; so a seed replays exactly.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap};
 
 use bytes::Bytes;
 
@@ -140,7 +140,7 @@ struct EngineNode {
     /// Events that arrived while paused.
     backlog: Vec<Ev>,
     /// op id → (client, history index)
-    ops: HashMap<u64, (usize, usize)>,
+    ops: BTreeMap<u64, (usize, usize)>,
 }
 
 struct Client {
@@ -159,7 +159,7 @@ pub struct Sim {
     now: u64,
     seq: u64,
     queue: BinaryHeap<Reverse<(u64, u64, usize)>>,
-    events: HashMap<usize, Ev>,
+    events: BTreeMap<usize, Ev>,
     next_ev: usize,
     replicas: Vec<ReplicaNode>,
     engines: Vec<EngineNode>,
@@ -170,7 +170,7 @@ pub struct Sim {
     next_op: u64,
     partitioned: Vec<bool>,
     /// Last delivery time per (engine eg, replica, direction) link: FIFO.
-    link_time: HashMap<(u32, usize, bool), u64>,
+    link_time: BTreeMap<(u32, usize, bool), u64>,
     drop_p: f64,
     dup_p: f64,
     reorder_p: f64,
@@ -233,7 +233,7 @@ impl Sim {
             now: 0,
             seq: 0,
             queue: BinaryHeap::new(),
-            events: HashMap::new(),
+            events: BTreeMap::new(),
             next_ev: 0,
             replicas,
             engines: Vec::new(),
@@ -243,7 +243,7 @@ impl Sim {
             era: 0,
             next_op: 1,
             partitioned: vec![false; n],
-            link_time: HashMap::new(),
+            link_time: BTreeMap::new(),
             drop_p: 0.0,
             dup_p: 0.0,
             reorder_p: 0.0,
@@ -277,7 +277,7 @@ impl Sim {
             alive: true,
             paused_until: 0,
             backlog: Vec::new(),
-            ops: HashMap::new(),
+            ops: BTreeMap::new(),
         });
         self.current = Some(eg);
         self.drain(eg);
@@ -913,7 +913,9 @@ impl Sim {
             self.current = None;
         }
         // Its clients see the connection drop: ops become "maybe".
-        let ops: Vec<(usize, usize)> = self.engines[gi].ops.drain().map(|(_, v)| v).collect();
+        let ops: Vec<(usize, usize)> = std::mem::take(&mut self.engines[gi].ops)
+            .into_values()
+            .collect();
         for (client, hi) in ops {
             if client < self.clients.len() && self.clients[client].pending == Some(hi) {
                 self.clients[client].pending = None;

@@ -15,6 +15,13 @@
 //! routed through the IOAPIC. It ends by writing a status to the debug-exit
 //! port 0xf4: 0 when every check passed, otherwise the failed check's code.
 //!
+//! Command-line switches: `probe.token=T` (echoed), `probe.need_disk=1`,
+//! `probe.spin=1` / `probe.halt=1` (stay alive instead of exiting),
+//! `probe.log=N` (+ `probe.log_base=SECTOR`, `probe.log_pause=ITER`): verify
+//! the records of a small on-disk log, then append N more, printing
+//! `log: ack k` once record k is written and flushed (used by the
+//! orchestrator's failover tests).
+//!
 //! Built by `vmm/build.rs` with the host's x86_64-unknown-linux-gnu target,
 //! `-nostdlib -static` and `probe.ld`; no prebuilt blob.
 #![no_std]
@@ -637,7 +644,7 @@ impl Blk {
     }
 }
 
-fn disk_test(base: u64, irq: u32) {
+fn disk_test(base: u64, irq: u32) -> (Blk, u64) {
     puts("virtio: blk at ");
     put_hex(base);
     puts(" irq ");
@@ -694,6 +701,97 @@ fn disk_test(base: u64, irq: u32) {
         fail(0x26, "out-of-range read not rejected");
     }
     puts("virtio: get_id, read, write, flush, read-back ok\n");
+    (blk, capacity)
+}
+
+// ---- log mode (probe.log=N) -------------------------------------------------
+//
+// A tiny write-ahead log for failover tests: record k lives in the first
+// sector of 4 KiB block (base/8 + k), so each record is its own volume block.
+// At boot every existing record is verified (magic, index, checksum); then N
+// new records are appended, each written and flushed before `log: ack k` is
+// printed. A record acknowledged on the console is therefore durable.
+
+const LOG_MAGIC: &[u8; 8] = b"SHEAFLOG";
+
+fn fnv1a(data: &[u8]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for &b in data {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100_0000_01b3);
+    }
+    h
+}
+
+fn log_record(k: u64, token: &[u8], out: &mut [u8; 512]) {
+    out.fill(0);
+    out[..8].copy_from_slice(LOG_MAGIC);
+    out[8..16].copy_from_slice(&k.to_le_bytes());
+    let n = token.len().min(32);
+    out[16..16 + n].copy_from_slice(&token[..n]);
+    let mut i = 48;
+    while i < 504 {
+        out[i] = (k.wrapping_mul(31).wrapping_add(i as u64) & 0xff) as u8;
+        i += 1;
+    }
+    let sum = fnv1a(&out[..504]);
+    out[504..].copy_from_slice(&sum.to_le_bytes());
+}
+
+fn log_mode(blk: &mut Blk, capacity: u64, cmdline: &[u8]) {
+    let count = find(cmdline, b"probe.log=").and_then(parse_num).map(|(v, _)| v).unwrap_or(0);
+    let base = find(cmdline, b"probe.log_base=").and_then(parse_num).map(|(v, _)| v).unwrap_or(2048);
+    let pause = find(cmdline, b"probe.log_pause=").and_then(parse_num).map(|(v, _)| v).unwrap_or(0);
+    let token = find(cmdline, b"probe.token=").unwrap_or(&[]);
+    let slots = if capacity > base { (capacity - base) / 8 } else { 0 };
+    let data = unsafe { (&raw const BUF.data) as u64 };
+    // Scan and verify the records already there.
+    let mut k = 0u64;
+    while k < slots {
+        if blk.request(0, base + 8 * k, Some((data, 512, true))) != 0 {
+            fail(0x30, "log: read failed");
+        }
+        let d = unsafe { &*(&raw const BUF.data) };
+        if &d[..8] != LOG_MAGIC {
+            break;
+        }
+        let idx = u64::from_le_bytes([d[8], d[9], d[10], d[11], d[12], d[13], d[14], d[15]]);
+        let sum = u64::from_le_bytes([d[504], d[505], d[506], d[507], d[508], d[509], d[510], d[511]]);
+        if idx != k || sum != fnv1a(&d[..504]) {
+            puts("log: CORRUPT ");
+            put_dec(k);
+            puts("\n");
+            fail(0x31, "log: corrupt record");
+        }
+        k += 1;
+    }
+    puts("log: found ");
+    put_dec(k);
+    puts(" records\n");
+    let end = (k + count).min(slots);
+    while k < end {
+        let mut rec = [0u8; 512];
+        log_record(k, token, &mut rec);
+        unsafe { (*(&raw mut BUF.data)).copy_from_slice(&rec) };
+        if blk.request(1, base + 8 * k, Some((data, 512, false))) != 0 {
+            fail(0x32, "log: write failed");
+        }
+        if blk.request(4, 0, None) != 0 {
+            fail(0x32, "log: flush failed");
+        }
+        puts("log: ack ");
+        put_dec(k);
+        puts("\n");
+        k += 1;
+        let mut i = 0u64;
+        while i < pause {
+            unsafe { asm!("nop") };
+            i += 1;
+        }
+    }
+    puts("log: done ");
+    put_dec(k);
+    puts("\n");
 }
 
 #[unsafe(no_mangle)]
@@ -728,7 +826,10 @@ extern "C" fn probe_main(pvh: u64, info: u64) -> ! {
     let mut tested = false;
     for &(base, irq) in &devs[..n] {
         if rd32(base) == 0x7472_6976 && rd32(base + 8) == 2 {
-            disk_test(base, irq);
+            let (mut blk, capacity) = disk_test(base, irq);
+            if find(bi.cmdline, b"probe.log=").is_some() {
+                log_mode(&mut blk, capacity, bi.cmdline);
+            }
             tested = true;
             break;
         }
@@ -737,6 +838,12 @@ extern "C" fn probe_main(pvh: u64, info: u64) -> ! {
         fail(0x20, "no virtio-blk device found");
     }
     puts("probe: PASS\n");
+    if find(bi.cmdline, b"probe.halt=1").is_some() {
+        // Stay alive without using the CPU: a running, idle VM.
+        loop {
+            unsafe { asm!("cli", "hlt") };
+        }
+    }
     if find(bi.cmdline, b"probe.spin=1").is_some() {
         // Keep running (for pause/resume tests): a heartbeat byte now and then.
         loop {

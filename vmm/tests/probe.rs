@@ -252,3 +252,57 @@ fn public_handles_are_thread_safe() {
     send_sync::<std::sync::Arc<dyn sheaf_vmm::BlockBackend>>();
     send_sync::<VmConfig>();
 }
+
+/// `probe.log=N` (used by the orchestrator's failover test): verifies the
+/// records already on disk, appends N more (each flushed before its ack is
+/// printed), and refuses a corrupt log.
+#[test]
+fn probe_log_mode_appends_verifies_and_detects_corruption() {
+    if !kvm_available() {
+        return;
+    }
+    let disk = Arc::new(MemBackend::new(4 << 20, "log-disk"));
+    let run = |args: &str| {
+        let cfg = VmConfig::builder()
+            .name("probe-log")
+            .vcpus(1)
+            .memory_mib(32)
+            .kernel(probe::elf_path())
+            .cmdline(format!("console=ttyS0 probe.token=t1 {args}"))
+            .cmdline_virtio_devices(true)
+            .build()
+            .unwrap();
+        let vm = Vm::builder(cfg)
+            .disk_backend(disk.clone())
+            .create()
+            .unwrap();
+        vm.start().unwrap();
+        let reason = vm.wait_timeout(Duration::from_secs(60)).expect("timed out");
+        let out = String::from_utf8_lossy(&vm.console().contents()).into_owned();
+        (reason, out)
+    };
+    let (reason, out) = run("probe.log=5");
+    assert_eq!(reason, ExitReason::DebugExit { code: 0 }, "{out}");
+    assert!(out.contains("log: found 0 records"), "{out}");
+    assert!(
+        out.contains("log: ack 4\n") && out.contains("log: done 5"),
+        "{out}"
+    );
+    let (reason, out) = run("probe.log=3");
+    assert_eq!(reason, ExitReason::DebugExit { code: 0 }, "{out}");
+    assert!(out.contains("log: found 5 records"), "{out}");
+    assert!(out.contains("log: ack 7\n"), "{out}");
+    // Record k is the first sector of block 256 + k; its index is at byte 8.
+    let c = disk.contents();
+    let rec = |k: usize| &c[(256 + k) * 4096..(256 + k) * 4096 + 512];
+    assert_eq!(&rec(6)[..8], b"SHEAFLOG");
+    assert_eq!(rec(6)[8], 6);
+    assert_eq!(&rec(6)[16..18], b"t1");
+    // Flip a byte of record 2: the next boot refuses the log.
+    let mut bad = rec(2).to_vec();
+    bad[100] ^= 0xff;
+    sheaf_vmm::BlockBackend::write_at(&*disk, 2048 * 512 + 2 * 4096, &bad).unwrap();
+    let (reason, out) = run("probe.log=1");
+    assert_eq!(reason, ExitReason::DebugExit { code: 0x31 }, "{out}");
+    assert!(out.contains("log: CORRUPT 2"), "{out}");
+}

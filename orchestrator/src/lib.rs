@@ -7,12 +7,17 @@
 //!   resources   typed kinds (kubevirt.io/v1, sheaf.dev/v1), decoding, validation
 //!   store       Store trait: resourceVersion, watch, finalizers, GC; memory + redb
 //!   api         Kubernetes-compatible HTTP API over a Store (TLS, tokens, kubeconfig)
+//!   controllers control plane: VM, VMI, Volume, node lifecycle, migration (ControlPlane)
+//!   runtime     VmRuntime: sheaf-vmm (in process) and QEMU (NBD disks)
+//!   launcher    one process per VM (and per replica), started by the agent
+//!   agent       node agent: heartbeats, launchers, replica servers (NodeAgent)
 //! ```
-//!
-//! Controllers and the node agent (issue 7) are added as further modules that
-//! consume `store::Store`.
 #![warn(missing_docs)]
 
+pub mod agent;
 pub mod api;
+pub mod controllers;
+pub mod launcher;
 pub mod resources;
+pub mod runtime;
 pub mod store;

@@ -113,6 +113,15 @@ pub struct ReplicaStatus {
     /// Last write index the replica has durable.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub write_index: Option<u64>,
+    /// Address of the replica server (`host:port`), once the node serves it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// Free-form detail about the last state change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// When `state` last changed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Time>,
 }
 
 /// Where a Volume is attached.
@@ -124,6 +133,12 @@ pub struct Attachment {
     /// Instance using the volume (`namespace/name`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance: Option<String>,
+    /// Uid of that instance (names are reused when a VM restarts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_uid: Option<String>,
+    /// Epoch the attachment was granted with; the engine takes at least this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
     /// Since when.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<Time>,
@@ -302,6 +317,25 @@ pub struct NodeStatus {
     /// Software facts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_info: Option<NodeInfo>,
+    /// The agent's lease (Kubernetes' node Lease, kept on the node): renewed
+    /// every heartbeat with sub-second precision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<NodeLease>,
+}
+
+/// The node agent's heartbeat lease.
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeLease {
+    /// Agent instance holding the lease (changes when the agent restarts).
+    #[serde(default)]
+    pub holder_identity: String,
+    /// Last renewal, RFC 3339 with microseconds.
+    #[serde(default)]
+    pub renew_time: String,
+    /// How long the holder promises to renew within.
+    #[serde(default)]
+    pub lease_duration_seconds: u32,
 }
 
 root_kind! {

@@ -1,0 +1,339 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The launcher's main loops: `run_vm` (one VM) and `run_replica` (one
+//! replica store). Both are plain blocking functions that build their own
+//! tokio runtime, for the `sheaf-launcher` binary and for tests.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use sheaf_blockrepl::frontend::Disk;
+use sheaf_blockrepl::net::Secret;
+use sheaf_blockrepl::net::server::serve;
+use sheaf_blockrepl::proto::engine::Phase;
+use sheaf_blockrepl::volume::{
+    Volume, VolumeConfig, create_replacement_replica, create_replica, open_local_replica,
+};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::files;
+use super::protocol::{DiskStatus, LaunchSpec, LauncherCommand, LauncherPhase, LauncherStatus};
+use crate::runtime::{self, AttachedDisk, ConsoleLog, RunningVm, RuntimeContext, VmExit};
+
+/// Launcher failures that prevent it from reporting at all.
+#[derive(Debug, thiserror::Error)]
+pub enum LauncherError {
+    /// I/O on the launcher directory, sockets or the runtime.
+    #[error("{op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// A replica store could not be created or served.
+    #[error("replica: {0}")]
+    Replica(#[from] sheaf_blockrepl::Error),
+}
+
+fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> LauncherError {
+    move |source| LauncherError::Io { op, source }
+}
+
+struct Reporter {
+    dir: PathBuf,
+    tx: watch::Sender<LauncherStatus>,
+}
+
+impl Reporter {
+    fn publish(&self, f: impl FnOnce(&mut LauncherStatus)) {
+        let mut st = self.tx.borrow().clone();
+        f(&mut st);
+        if let Err(e) = st.save(&self.dir) {
+            warn!(error = %e, "writing status.json");
+        }
+        self.tx.send_replace(st);
+    }
+}
+
+async fn serve_control(
+    listener: UnixListener,
+    status: watch::Receiver<LauncherStatus>,
+    cmds: std_mpsc::Sender<LauncherCommand>,
+) {
+    loop {
+        let Ok((sock, _)) = listener.accept().await else {
+            return;
+        };
+        let mut status = status.clone();
+        let cmds = cmds.clone();
+        tokio::spawn(async move {
+            let (r, mut w) = sock.into_split();
+            let mut lines = BufReader::new(r).lines();
+            loop {
+                let st = status.borrow_and_update().clone();
+                let mut line = serde_json::to_vec(&st).unwrap_or_default();
+                line.push(b'\n');
+                if w.write_all(&line).await.is_err() {
+                    return;
+                }
+                if st.phase == LauncherPhase::Exited {
+                    return;
+                }
+                tokio::select! {
+                    ch = status.changed() => if ch.is_err() { return },
+                    l = lines.next_line() => match l {
+                        Ok(Some(l)) => {
+                            if let Ok(c) = serde_json::from_str::<LauncherCommand>(&l) {
+                                let _ = cmds.send(c);
+                            }
+                        }
+                        _ => return,
+                    },
+                }
+            }
+        });
+    }
+}
+
+fn disk_status(
+    rt: &tokio::runtime::Runtime,
+    spec: &LaunchSpec,
+    vols: &[Volume],
+) -> Vec<DiskStatus> {
+    spec.disks
+        .iter()
+        .zip(vols)
+        .map(|(d, v)| {
+            let st = rt
+                .block_on(async { tokio::time::timeout(Duration::from_secs(2), v.status()).await });
+            let mut ds = DiskStatus {
+                name: d.name.clone(),
+                volume: d.volume.clone(),
+                ..Default::default()
+            };
+            if let Ok(Ok(s)) = st {
+                ds.epoch = s.epoch;
+                ds.fenced = s.phase == Phase::Fenced;
+                ds.active = s
+                    .active
+                    .iter()
+                    .filter_map(|i| d.replicas.get(*i).copied())
+                    .collect();
+                ds.rebuilding = s
+                    .rebuilding
+                    .iter()
+                    .filter_map(|i| d.replicas.get(*i).copied())
+                    .collect();
+            }
+            ds
+        })
+        .collect()
+}
+
+/// Runs one VM as described by `spec` until it ends or the agent stops it.
+/// Reports through `spec.dir` (see [`super::files`]). Returns how the VM
+/// ended; an `Err` only when not even the status could be reported.
+pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("launcher-io")
+        .enable_all()
+        .build()
+        .map_err(io("start runtime"))?;
+    let dir = spec.dir.clone();
+    let initial = LauncherStatus {
+        pid: std::process::id(),
+        uid: spec.uid.clone(),
+        runtime: spec.runtime.clone(),
+        phase: LauncherPhase::Starting,
+        disks: Vec::new(),
+        exit: None,
+    };
+    let (tx, rx) = watch::channel(initial);
+    let rep = Reporter {
+        dir: dir.clone(),
+        tx,
+    };
+    rep.publish(|_| {});
+    let sock = dir.join(files::CONTROL);
+    let _ = std::fs::remove_file(&sock);
+    let listener = {
+        let _g = rt.enter();
+        UnixListener::bind(&sock).map_err(io("bind control socket"))?
+    };
+    let (cmd_tx, cmd_rx) = std_mpsc::channel();
+    rt.spawn(serve_control(listener, rx, cmd_tx));
+
+    let finish = |exit: VmExit| {
+        info!(success = exit.success, reason = %exit.reason, "launcher done");
+        let e2 = exit.clone();
+        rep.publish(move |s| {
+            s.phase = LauncherPhase::Exited;
+            s.exit = Some(e2);
+        });
+        // Let connected agents read the final status.
+        std::thread::sleep(Duration::from_millis(100));
+        Ok(exit)
+    };
+    let fail = |reason: String| {
+        finish(VmExit {
+            success: false,
+            reason,
+        })
+    };
+
+    let Some(runtime) = runtime::by_name(&spec.runtime) else {
+        return fail(format!("unknown runtime {:?}", spec.runtime));
+    };
+    let secret = match &spec.secret_file {
+        Some(p) => match Secret::from_file(p) {
+            Ok(s) => Some(s),
+            Err(e) => return fail(format!("replication secret: {e}")),
+        },
+        None => None,
+    };
+    // Attach every volume with (at least) the epoch the control plane granted.
+    let mut vols = Vec::new();
+    for d in &spec.disks {
+        let Some(secret) = secret.clone() else {
+            return fail("volumes need a replication secret".into());
+        };
+        let mut cfg = VolumeConfig::remote(&d.replicas, secret);
+        cfg.min_epoch = d.epoch.saturating_sub(1);
+        cfg.min_write_replicas = d
+            .min_write_replicas
+            .map(|w| w.clamp(1, d.replicas.len().max(1)));
+        cfg.attach_timeout = Duration::from_secs(20);
+        match rt.block_on(Volume::attach(cfg)) {
+            Ok(v) => vols.push(v),
+            Err(e) => {
+                for v in vols {
+                    let _ = rt.block_on(v.detach());
+                }
+                return fail(format!("attaching volume {}: {e}", d.volume));
+            }
+        }
+    }
+    let disks = disk_status(&rt, &spec, &vols);
+    info!(disks = ?disks.iter().map(|d| (&d.volume, d.epoch)).collect::<Vec<_>>(), "volumes attached");
+    rep.publish(|s| s.disks = disks);
+    let console = match ConsoleLog::open(&dir.join(files::CONSOLE)) {
+        Ok(c) => c,
+        Err(e) => return fail(format!("console log: {e}")),
+    };
+    let ctx = RuntimeContext {
+        io: rt.handle().clone(),
+        work_dir: dir.clone(),
+        console,
+    };
+    let attached: Vec<AttachedDisk> = spec
+        .disks
+        .iter()
+        .zip(&vols)
+        .map(|(d, v)| AttachedDisk {
+            name: d.name.clone(),
+            serial: d.serial.clone(),
+            disk: Disk::new(v.clone()),
+            read_only: d.read_only,
+        })
+        .collect();
+    let mut vm: Box<dyn RunningVm> = match runtime.start(&spec.vm, attached, &ctx) {
+        Ok(vm) => vm,
+        Err(e) => return fail(format!("starting the VM: {e}")),
+    };
+    rep.publish(|s| s.phase = LauncherPhase::Running);
+    info!(instance = %spec.instance, runtime = %spec.runtime, "VM running");
+
+    let mut last_check = Instant::now();
+    let exit = loop {
+        if let Some(exit) = vm.wait_timeout(Duration::from_millis(100)) {
+            break exit;
+        }
+        if let Ok(LauncherCommand::Stop) = cmd_rx.try_recv() {
+            rep.publish(|s| s.phase = LauncherPhase::Stopping);
+            break vm.stop();
+        }
+        if last_check.elapsed() >= Duration::from_secs(1) {
+            last_check = Instant::now();
+            let disks = disk_status(&rt, &spec, &vols);
+            if let Some(d) = disks.iter().find(|d| d.fenced) {
+                let reason = format!("volume {} fenced by a newer engine", d.volume);
+                warn!(%reason, "stopping the VM");
+                let _ = vm.stop();
+                rep.publish(|s| s.disks = disks);
+                break VmExit {
+                    success: false,
+                    reason,
+                };
+            }
+            if rep.tx.borrow().disks != disks {
+                rep.publish(|s| s.disks = disks);
+            }
+        }
+    };
+    drop(vm);
+    for v in vols {
+        let _ =
+            rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), v.detach()).await });
+    }
+    finish(exit)
+}
+
+/// Arguments of `sheaf-launcher replica`.
+#[derive(Debug, Clone)]
+pub struct ReplicaArgs {
+    /// Store directory.
+    pub dir: PathBuf,
+    /// Listen address (port 0: any).
+    pub listen: SocketAddr,
+    /// Replication secret file.
+    pub secret_file: PathBuf,
+    /// Create a store of this size if the directory holds none.
+    pub create_size: Option<u64>,
+    /// With `create_size`: an empty replacement replica (rebuilt on attach).
+    pub replacement: bool,
+}
+
+/// Serves one replica store until killed. Prints `listening on ADDR` on
+/// stdout once it accepts connections.
+pub fn run_replica(args: ReplicaArgs) -> Result<(), LauncherError> {
+    let secret = Secret::from_file(&args.secret_file)?;
+    std::fs::create_dir_all(&args.dir).map_err(io("create replica directory"))?;
+    if let Some(size) = args.create_size
+        && !args.dir.join("superblock").exists()
+    {
+        if args.replacement {
+            create_replacement_replica(&args.dir, size)?;
+        } else {
+            create_replica(&args.dir, size)?;
+        }
+    }
+    let replica = open_local_replica(&args.dir)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(io("start runtime"))?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .map_err(io("listen"))?;
+        let addr = listener.local_addr().map_err(io("listen"))?;
+        let mut out = std::io::stdout();
+        let _ = writeln!(out, "listening on {addr}");
+        let _ = out.flush();
+        serve(listener, secret, replica).await?;
+        Ok(())
+    })
+}
+
+/// Connects to a launcher's control socket.
+pub async fn connect(dir: &std::path::Path) -> std::io::Result<UnixStream> {
+    UnixStream::connect(dir.join(files::CONTROL)).await
+}

@@ -1,0 +1,180 @@
+// SPDX-License-Identifier: Apache-2.0
+//! VM runtimes: how a launcher runs one VM.
+//!
+//! ```text
+//!   launcher ── attaches volumes (blockrepl engine, epoch from the control plane)
+//!      │           └─ AttachedDisk { Disk } per volume
+//!      └─ VmRuntime::start(VmSpec, disks, ctx) ─► RunningVm (wait / stop)
+//!           ├─ VmmRuntime   sheaf-vmm in this process; disks via the in-process
+//!           │               virtio-blk BlockBackend (blockrepl frontend::vmm)
+//!           └─ QemuRuntime  qemu-system-x86_64 (KVM or TCG); disks over NBD
+//!                           (blockrepl frontend::nbd on a unix socket)
+//! ```
+//!
+//! A runtime never talks to the store or the replicas directly: the
+//! launcher owns the volume engines and hands the runtime block devices, so
+//! every runtime gets the same fencing and durability (a write the guest
+//! sees completed is on `W` replicas). vhost-user-blk (blockrepl
+//! `frontend::vhost_user`) is the next QEMU disk path; it needs shared
+//! memory (`memory-backend-memfd`), so it is a per-runtime option later.
+
+pub mod qemu;
+pub mod vmm;
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sheaf_blockrepl::frontend::Disk;
+
+pub use self::qemu::QemuRuntime;
+pub use self::vmm::VmmRuntime;
+
+/// The machine a VM runs, independent of the runtime.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct VmSpec {
+    /// Name (thread names, logs).
+    pub name: String,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// Kernel (ELF or bzImage).
+    pub kernel: PathBuf,
+    /// Optional initramfs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initramfs: Option<PathBuf>,
+    /// Kernel command line.
+    #[serde(default)]
+    pub cmdline: String,
+}
+
+/// A volume attached by the launcher, offered to the guest as a disk.
+#[derive(Debug, Clone)]
+pub struct AttachedDisk {
+    /// Disk name from the instance spec (also the NBD export name).
+    pub name: String,
+    /// Serial number the guest sees (virtio-blk GET_ID, ≤ 20 bytes).
+    pub serial: String,
+    /// The volume.
+    pub disk: Disk,
+    /// Offer it read-only.
+    pub read_only: bool,
+}
+
+/// Where the guest's serial console goes: an append-only file the agent
+/// and the CLI read (`console`). Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct ConsoleLog {
+    file: Arc<Mutex<File>>,
+    path: PathBuf,
+}
+
+impl ConsoleLog {
+    /// Opens (creates, appends to) `path`.
+    pub fn open(path: &Path) -> std::io::Result<ConsoleLog> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(ConsoleLog {
+            file: Arc::new(Mutex::new(file)),
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Appends guest output (unbuffered: a line the guest printed is in the
+    /// file before the guest continues).
+    pub fn write(&self, bytes: &[u8]) {
+        let mut f = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = f.write_all(bytes);
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// What a runtime gets besides the spec and the disks.
+#[derive(Debug, Clone)]
+pub struct RuntimeContext {
+    /// The runtime the volume engines run on (block I/O is driven on it).
+    pub io: tokio::runtime::Handle,
+    /// The launcher's private directory (sockets, logs).
+    pub work_dir: PathBuf,
+    /// The console sink.
+    pub console: ConsoleLog,
+}
+
+/// How a VM ended.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct VmExit {
+    /// A clean end (guest powered off, probe passed): the instance Succeeded.
+    pub success: bool,
+    /// Human-readable reason (`Shutdown`, `DebugExit { code: 49 }`, `killed`, ...).
+    pub reason: String,
+}
+
+/// Runtime failures (before or while starting).
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// The spec cannot run on this runtime.
+    #[error("invalid VM spec: {0}")]
+    Config(String),
+    /// sheaf-vmm refused or failed.
+    #[error("sheaf-vmm: {0}")]
+    Vmm(#[from] sheaf_vmm::Error),
+    /// A helper process did not start.
+    #[error("starting {program}: {source}")]
+    Spawn {
+        /// Program.
+        program: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Serving a disk failed.
+    #[error("disk {disk}: {message}")]
+    Disk {
+        /// Disk name.
+        disk: String,
+        /// Why.
+        message: String,
+    },
+}
+
+/// A VM runtime (the port the launcher consumes).
+///
+/// `start` returns once the guest was started (not booted); the launcher
+/// then calls [`RunningVm::wait_timeout`] in a loop. Runtimes must not block
+/// the `io` runtime's threads.
+pub trait VmRuntime: Send + Sync + fmt::Debug {
+    /// Name reported to the control plane (`sheaf-vmm`, `qemu`).
+    fn name(&self) -> &'static str;
+    /// Starts the VM.
+    fn start(
+        &self,
+        spec: &VmSpec,
+        disks: Vec<AttachedDisk>,
+        ctx: &RuntimeContext,
+    ) -> Result<Box<dyn RunningVm>, RuntimeError>;
+}
+
+/// A started VM.
+pub trait RunningVm: Send + fmt::Debug {
+    /// Waits up to `timeout` for the VM to end.
+    fn wait_timeout(&mut self, timeout: Duration) -> Option<VmExit>;
+    /// Stops the VM now (no guest cooperation) and returns how it ended.
+    fn stop(&mut self) -> VmExit;
+}
+
+/// The runtime called `name`.
+pub fn by_name(name: &str) -> Option<Box<dyn VmRuntime>> {
+    match name {
+        "sheaf-vmm" => Some(Box::new(VmmRuntime)),
+        "qemu" => Some(Box::new(QemuRuntime::default())),
+        _ => None,
+    }
+}

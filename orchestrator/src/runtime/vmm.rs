@@ -1,0 +1,90 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The sheaf-vmm runtime: the VM runs inside the launcher process on
+//! `/dev/kvm`; each volume is a virtio-blk disk served in process through
+//! blockrepl's `VolumeBackend`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sheaf_blockrepl::frontend::vmm::VolumeBackend;
+use sheaf_vmm::{BootProtocol, ExitReason, SerialSink, Vm, VmConfig};
+
+use super::{AttachedDisk, RunningVm, RuntimeContext, RuntimeError, VmExit, VmRuntime, VmSpec};
+
+/// sheaf-vmm in the launcher process.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct VmmRuntime;
+
+struct VmmVm {
+    vm: Vm,
+}
+
+impl std::fmt::Debug for VmmVm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmmVm")
+            .field("name", &self.vm.name())
+            .finish()
+    }
+}
+
+fn exit_of(r: ExitReason) -> VmExit {
+    VmExit {
+        success: r.is_clean(),
+        reason: format!("{r:?}"),
+    }
+}
+
+impl VmRuntime for VmmRuntime {
+    fn name(&self) -> &'static str {
+        "sheaf-vmm"
+    }
+
+    fn start(
+        &self,
+        spec: &VmSpec,
+        disks: Vec<AttachedDisk>,
+        ctx: &RuntimeContext,
+    ) -> Result<Box<dyn RunningVm>, RuntimeError> {
+        let mut b = VmConfig::builder()
+            .name(&spec.name)
+            .vcpus(spec.vcpus.max(1))
+            .memory_mib(spec.memory_mib.max(16))
+            .kernel(&spec.kernel)
+            .cmdline(&spec.cmdline)
+            // The probe guest finds its disks on the command line; Linux
+            // finds them in ACPI and ignores the parameter.
+            .cmdline_virtio_devices(true)
+            .boot_protocol(BootProtocol::Linux64);
+        if let Some(i) = &spec.initramfs {
+            b = b.initramfs(i);
+        }
+        let cfg = b.build().map_err(|e| RuntimeError::Config(e.to_string()))?;
+        let mut vb = Vm::builder(cfg);
+        for d in disks {
+            let backend =
+                VolumeBackend::new(d.disk, ctx.io.clone(), &d.serial).with_read_only(d.read_only);
+            vb = vb.disk_backend(Arc::new(backend));
+        }
+        let console = ctx.console.clone();
+        vb = vb.serial_sink(SerialSink::Callback(Box::new(move |b: &[u8]| {
+            console.write(b)
+        })));
+        let vm = vb.create()?;
+        vm.start()?;
+        Ok(Box::new(VmmVm { vm }))
+    }
+}
+
+impl RunningVm for VmmVm {
+    fn wait_timeout(&mut self, timeout: Duration) -> Option<VmExit> {
+        self.vm.wait_timeout(timeout).map(exit_of)
+    }
+
+    fn stop(&mut self) -> VmExit {
+        let r = self.vm.stop();
+        VmExit {
+            success: false,
+            reason: format!("stopped ({r:?})"),
+        }
+    }
+}

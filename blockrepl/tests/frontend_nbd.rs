@@ -293,3 +293,77 @@ fn tcp_listener_and_concurrent_clients() {
     }
     assert!(f.server.stats().sessions >= 4);
 }
+
+/// Writes a CA and a server certificate for `localhost` into `dir`
+/// (`ca-cert.pem`, `server-cert.pem`, `server-key.pem`: the layout QEMU and
+/// libnbd expect).
+fn make_certs(dir: &std::path::Path) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "sheaf test CA");
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca, ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(vec!["localhost".to_string()]).unwrap();
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "localhost");
+    let cert = params.signed_by(&key, &issuer).unwrap();
+    std::fs::write(dir.join("ca-cert.pem"), ca_cert.pem()).unwrap();
+    std::fs::write(dir.join("server-cert.pem"), cert.pem()).unwrap();
+    std::fs::write(dir.join("server-key.pem"), key.serialize_pem()).unwrap();
+}
+
+#[test]
+fn tls_required_with_nbdinfo_and_qemu_io() {
+    use sheaf_blockrepl::frontend::nbd::proto::TlsMode;
+    use sheaf_blockrepl::frontend::nbd::{NbdConfig, tls_acceptor};
+    if !have("nbdinfo") || !have("qemu-io") {
+        return;
+    }
+    let certs = tempfile::tempdir().unwrap();
+    make_certs(certs.path());
+    let acceptor = tls_acceptor(
+        &certs.path().join("server-cert.pem"),
+        &certs.path().join("server-key.pem"),
+    )
+    .unwrap();
+    let f = NbdFixture::with_config(
+        8 * MIB,
+        1,
+        NbdConfig {
+            tls: Some((acceptor, TlsMode::Required)),
+            ..NbdConfig::default()
+        },
+    );
+    let listener =
+        f.rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let s = f.server.clone();
+    f.rt.spawn(async move { s.serve_tcp(listener).await });
+    let dir = certs.path().display().to_string();
+    let size = run(Command::new("nbdinfo").arg("--size").arg(format!(
+        "nbds://localhost:{port}/vol0?tls-certificates={dir}"
+    )));
+    assert_eq!(size.trim(), (8 * MIB).to_string());
+    let out = run(Command::new("qemu-io")
+        .arg("--object")
+        .arg(format!("tls-creds-x509,id=tls0,dir={dir},endpoint=client"))
+        .arg("--image-opts")
+        .arg(format!(
+            "driver=nbd,host=localhost,port={port},export=vol0,tls-creds=tls0"
+        ))
+        .args(["-c", "write -P 0x33 0 64k", "-c", "read -P 0x33 0 64k"]));
+    assert!(!out.contains("verification failed"), "{out}");
+    assert!(f.read(0, 65536).iter().all(|&b| b == 0x33));
+    // Plain-text clients are refused.
+    let plain = frontend_common::output(
+        Command::new("nbdinfo").arg(format!("nbd://localhost:{port}/vol0")),
+    );
+    assert!(!plain.status.success(), "plain client got in");
+    assert!(f.server.stats().sessions >= 2);
+}

@@ -862,3 +862,162 @@ impl VhostUserBlkServer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use virtio_queue::desc::split::Descriptor;
+    use vm_memory::{Bytes as _, GuestAddress, GuestMemoryMmap};
+
+    use super::*;
+
+    const F_NEXT: u16 = 1;
+    const F_WRITE: u16 = 2;
+
+    fn mem() -> GuestMemoryMmap {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).unwrap()
+    }
+
+    fn header(m: &GuestMemoryMmap, at: u64, typ: u32, sector: u64) {
+        let mut h = [0u8; 16];
+        h[0..4].copy_from_slice(&typ.to_le_bytes());
+        h[8..16].copy_from_slice(&sector.to_le_bytes());
+        m.write_slice(&h, GuestAddress(at)).unwrap();
+    }
+
+    #[test]
+    fn parses_split_and_combined_descriptors() {
+        let m = mem();
+        header(&m, 0x1000, T_IN, 8);
+        let r = parse_request(
+            vec![
+                Descriptor::new(0x1000, 16, F_NEXT, 1),
+                Descriptor::new(0x2000, 4096, F_NEXT | F_WRITE, 2),
+                Descriptor::new(0x3000, 1, F_WRITE, 0),
+            ]
+            .into_iter(),
+            &m,
+        )
+        .unwrap();
+        assert_eq!((r.typ, r.sector), (T_IN, 8));
+        assert_eq!(r.writable, vec![(GuestAddress(0x2000), 4096)]);
+        assert_eq!(r.status, GuestAddress(0x3000));
+        // Header and payload in one descriptor; status at the end of the data one.
+        header(&m, 0x4000, T_OUT, 1);
+        let r = parse_request(
+            vec![
+                Descriptor::new(0x4000, 16 + 512, F_NEXT, 1),
+                Descriptor::new(0x5000, 1, F_WRITE, 0),
+            ]
+            .into_iter(),
+            &m,
+        )
+        .unwrap();
+        assert_eq!(r.readable, vec![(GuestAddress(0x4010), 512)]);
+        assert_eq!(r.readable_len(), 512);
+        // Header split over two descriptors.
+        header(&m, 0x6000, T_FLUSH, 0);
+        let r = parse_request(
+            vec![
+                Descriptor::new(0x6000, 7, F_NEXT, 1),
+                Descriptor::new(0x6007, 9, F_NEXT, 2),
+                Descriptor::new(0x7000, 1, F_WRITE, 0),
+            ]
+            .into_iter(),
+            &m,
+        )
+        .unwrap();
+        assert_eq!(r.typ, T_FLUSH);
+    }
+
+    #[test]
+    fn rejects_malformed_chains() {
+        let m = mem();
+        header(&m, 0x1000, T_IN, 0);
+        let err = |d: Vec<Descriptor>| parse_request(d.into_iter(), &m).unwrap_err();
+        // No writable byte at all, or the status outside guest memory.
+        assert_eq!(
+            err(vec![Descriptor::new(0x1000, 16, 0, 0)]).0,
+            ChainError::NoStatus
+        );
+        assert_eq!(
+            err(vec![
+                Descriptor::new(0x1000, 16, F_NEXT, 1),
+                Descriptor::new(0xfff_0000, 1, F_WRITE, 0)
+            ])
+            .0,
+            ChainError::NoStatus
+        );
+        assert_eq!(
+            err(vec![
+                Descriptor::new(0x1000, 16, F_NEXT, 1),
+                Descriptor::new(u64::MAX, 2, F_WRITE, 0)
+            ])
+            .0,
+            ChainError::NoStatus
+        );
+        // Short header, readable after writable, unmapped header, too large.
+        let e = err(vec![
+            Descriptor::new(0x1000, 8, F_NEXT, 1),
+            Descriptor::new(0x2000, 1, F_WRITE, 0),
+        ]);
+        assert_eq!(e, (ChainError::ShortHeader, Some(GuestAddress(0x2000))));
+        let e = err(vec![
+            Descriptor::new(0x2000, 1, F_WRITE | F_NEXT, 1),
+            Descriptor::new(0x1000, 16, F_NEXT, 2),
+            Descriptor::new(0x3000, 1, F_WRITE, 0),
+        ]);
+        assert_eq!(e.0, ChainError::Order);
+        let e = err(vec![
+            Descriptor::new(0xff0_0000, 16, F_NEXT, 1),
+            Descriptor::new(0x3000, 1, F_WRITE, 0),
+        ]);
+        assert!(matches!(e.0, ChainError::Memory(_)));
+        let e = err(vec![
+            Descriptor::new(0x1000, 16, F_NEXT, 1),
+            Descriptor::new(0x2000, u32::MAX, F_WRITE | F_NEXT, 2),
+            Descriptor::new(0x3000, 1, F_WRITE, 0),
+        ]);
+        assert!(matches!(e.0, ChainError::TooLarge(_)));
+    }
+
+    #[test]
+    fn config_space_layout() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        crate::volume::create_replica(dir.path(), 8 << 20).unwrap();
+        let vol = rt
+            .block_on(crate::volume::Volume::attach(
+                crate::volume::VolumeConfig::local(dir.path()),
+            ))
+            .unwrap();
+        let b =
+            VhostUserBlk::new(Disk::new(vol), rt.handle().clone(), BlkConfig::default()).unwrap();
+        let c = b.config_space();
+        assert_eq!(c.len(), 60);
+        assert_eq!(
+            u64::from_le_bytes(c[0..8].try_into().unwrap()),
+            (8 << 20) / 512
+        );
+        assert_eq!(u32::from_le_bytes(c[20..24].try_into().unwrap()), 512);
+        assert_eq!(c[24], 3);
+        assert_eq!(b.get_config(56, 8), vec![1, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(b.get_config(1000, 4), vec![0; 4]);
+        assert_ne!(b.features() & (1 << BLK_F_DISCARD), 0);
+        assert!(
+            VhostUserBlk::new(
+                b.inner.disk.clone(),
+                rt.handle().clone(),
+                BlkConfig {
+                    num_queues: 0,
+                    ..BlkConfig::default()
+                }
+            )
+            .is_err()
+        );
+    }
+}

@@ -456,11 +456,10 @@ impl NbdServer {
                 break Err(NbdError::Disconnected);
             };
             let payload = if req.cmd == Command::Write {
-                let mut b = BytesMut::zeroed(req.len as usize);
-                if let Err(e) = rd.read_exact(&mut b).await {
-                    break Err(io("read write payload")(e));
+                match read_payload(&mut rd, req.len as usize).await {
+                    Ok(b) => b,
+                    Err(e) => break Err(e),
                 }
-                b.freeze()
             } else {
                 Bytes::new()
             };
@@ -488,6 +487,24 @@ impl NbdServer {
         }
         result
     }
+}
+
+/// Reads exactly `len` payload bytes into a fresh buffer (not zeroed
+/// first: the socket fills it) and never past them.
+async fn read_payload<R: AsyncRead + Unpin>(rd: &mut R, len: usize) -> Result<Bytes, NbdError> {
+    let mut b = BytesMut::with_capacity(len);
+    while b.len() < len {
+        let left = (len - b.len()) as u64;
+        let n = (&mut *rd)
+            .take(left)
+            .read_buf(&mut b)
+            .await
+            .map_err(io("read write payload"))?;
+        if n == 0 {
+            return Err(NbdError::Disconnected);
+        }
+    }
+    Ok(b.freeze())
 }
 
 fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> NbdError {

@@ -61,6 +61,12 @@ pub enum Error {
         /// First block of the read.
         lba: u64,
     },
+    /// Every replica that held some acknowledged writes lost power before
+    /// those writes were flushed: they may be gone. Like a disk power cycle,
+    /// only data covered by a completed flush is guaranteed; operations
+    /// queued at that moment fail with this error, later ones proceed.
+    #[error("replicas lost power: writes not covered by a completed flush may be lost")]
+    UnflushedWritesLost,
     /// The engine is shut down or detached.
     #[error("volume is detached")]
     Detached,

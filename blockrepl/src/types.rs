@@ -95,6 +95,11 @@ pub struct ReplicaInfo {
     pub size_blocks: u64,
     /// Layer chain, bottom first, head last.
     pub layers: Vec<LayerInfo>,
+    /// Clean, but the node lost power while an engine was attached: the
+    /// replica holds a consistent prefix of the history but may lack writes
+    /// it acknowledged (they were not synced). It does not count towards
+    /// the attach quorum until an engine adopts or rebuilds it.
+    pub recovered: bool,
 }
 
 /// The state of one block in one layer, as reported for rebuild and scrub.

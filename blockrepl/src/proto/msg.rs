@@ -185,6 +185,15 @@ pub enum Request {
         /// Epoch.
         epoch: u64,
     },
+    /// The engine found this replica in sync at `position` (or chose it as
+    /// the source): clear its recovered mark (see
+    /// [`ReplicaInfo::recovered`]).
+    Adopt {
+        /// Epoch.
+        epoch: u64,
+        /// Position the engine found; the replica must be at or past it.
+        position: Tag,
+    },
 }
 
 /// Why a replica refused a request.
@@ -508,6 +517,11 @@ impl ReqFrame {
                 e.0.put_u8(12);
                 e.0.put_u64_le(*epoch);
             }
+            Request::Adopt { epoch, position } => {
+                e.0.put_u8(13);
+                e.0.put_u64_le(*epoch);
+                e.tag(*position);
+            }
         }
         e.0
     }
@@ -609,6 +623,10 @@ impl ReqFrame {
             12 => Request::Detach {
                 epoch: d.u64("epoch")?,
             },
+            13 => Request::Adopt {
+                epoch: d.u64("epoch")?,
+                position: d.tag("position")?,
+            },
             k => return Err(DecodeError(format!("unknown request kind {k}"))),
         };
         d.end()?;
@@ -640,6 +658,7 @@ impl RespFrame {
                 e.tag(i.position);
                 e.0.put_u64_le(i.size_blocks);
                 e.layers(&i.layers);
+                e.0.put_u8(i.recovered as u8);
             }
             Response::Ack(t) => {
                 e.0.put_u8(2);
@@ -710,6 +729,11 @@ impl RespFrame {
                 position: d.tag("position")?,
                 size_blocks: d.u64("size")?,
                 layers: d.layers()?,
+                recovered: match d.u8("recovered flag")? {
+                    0 => false,
+                    1 => true,
+                    _ => return err("bad recovered flag"),
+                },
             }),
             2 => Response::Ack(d.tag("position")?),
             3 => {
@@ -875,6 +899,7 @@ mod tests {
                     lba,
                     entries
                 }),
+            (any::<u64>(), tag()).prop_map(|(epoch, position)| Request::Adopt { epoch, position }),
         ]
     }
 

@@ -124,6 +124,9 @@ impl ReplicaCore {
                     self.attached = true;
                     Response::Info(store.info())
                 } else if epoch == info.epoch && engine == info.engine {
+                    if let Err(e) = store.mark_open() {
+                        return self.fault(&e);
+                    }
                     self.attached = true;
                     Response::Info(info)
                 } else {
@@ -366,8 +369,28 @@ impl ReplicaCore {
                 if !epoch_ok(epoch) {
                     return stale;
                 }
-                match store.checkpoint() {
-                    Ok(()) => Response::Ack(store.position()),
+                match store.close() {
+                    Ok(()) => {
+                        // Serves nobody until attached again: nothing may
+                        // be acknowledged while marked closed.
+                        self.attached = false;
+                        Response::Ack(store.position())
+                    }
+                    Err(e) => self.fault(&e),
+                }
+            }
+            Request::Adopt { epoch, position } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                if info.state != ReplicaState::Clean || info.position < position {
+                    return refused(Refusal::Invalid(format!(
+                        "cannot adopt at {position}: replica at {} ({:?})",
+                        info.position, info.state
+                    )));
+                }
+                match store.adopt() {
+                    Ok(()) => Response::Info(store.info()),
                     Err(e) => self.fault(&e),
                 }
             }

@@ -62,6 +62,8 @@ struct State {
     faults: DiskFaults,
     rng: Prng,
     injected: u64,
+    /// Incremented by every power loss (the node's boot id).
+    boot: u64,
 }
 
 /// One simulated disk (a directory of files). Clones share the disk.
@@ -83,6 +85,7 @@ impl SimDisk {
                 },
                 rng: Prng::new(seed),
                 injected: 0,
+                boot: 1,
             })),
         }
     }
@@ -114,6 +117,7 @@ impl SimDisk {
     /// Power loss: every unsynced write is kept, dropped or torn.
     pub fn power_loss(&self, rng: &mut Prng) {
         let mut st = self.lock();
+        st.boot += 1;
         for f in st.files.values_mut() {
             let mut img = f.durable.clone();
             for p in f.pending.drain(..) {
@@ -348,5 +352,9 @@ impl StoreDir for SimDisk {
 
     fn sync_dir(&self) -> io::Result<()> {
         Ok(())
+    }
+
+    fn boot_id(&self) -> u64 {
+        self.lock().boot
     }
 }

@@ -141,6 +141,8 @@ struct EngineNode {
     backlog: Vec<Ev>,
     /// op id → (client, history index)
     ops: BTreeMap<u64, (usize, usize)>,
+    /// `EngineStatus::lost_unflushed` last seen.
+    lost_seen: u64,
 }
 
 struct Client {
@@ -178,6 +180,12 @@ pub struct Sim {
     failovers: u64,
     healing: bool,
     snap_n: u64,
+    /// Power losses injected so far (single node or total).
+    power_losses: u64,
+    /// Violations found while running (not by the oracle).
+    run_violations: Vec<String>,
+    /// Error of the last failed harness operation (final scrub and reads).
+    final_error: Option<String>,
 }
 
 impl std::fmt::Debug for Sim {
@@ -251,6 +259,9 @@ impl Sim {
             failovers: 0,
             healing: false,
             snap_n: 0,
+            power_losses: 0,
+            run_violations: Vec::new(),
+            final_error: None,
             cfg,
         }
     }
@@ -278,6 +289,7 @@ impl Sim {
             paused_until: 0,
             backlog: Vec::new(),
             ops: BTreeMap::new(),
+            lost_seen: 0,
         });
         self.current = Some(eg);
         self.drain(eg);
@@ -340,6 +352,7 @@ impl Sim {
         // Scrub (repairs rot) then read everything back.
         self.final_ops(&mut report);
         self.compare_replicas(&mut report);
+        report.violations.append(&mut self.run_violations);
         let v: Verdict = oracle::check(&self.history, self.era);
         report.ops_checked = v.ops_checked;
         report.acked_lost = v.acked_lost;
@@ -646,11 +659,32 @@ impl Sim {
                 }
             }
         }
+        let lost = self.engines[g].engine.status().lost_unflushed;
+        if lost > self.engines[g].lost_seen {
+            // The engine reported that acknowledged, unflushed writes may be
+            // gone (every replica holding them lost power): for the client
+            // this is a disk power cycle, so a new era begins, in which
+            // only flushed writes must survive. Legitimate only after a
+            // power loss.
+            self.engines[g].lost_seen = lost;
+            tracing::info!(eg, era = self.era + 1, "engine reported lost unflushed writes");
+            if self.power_losses == 0 {
+                self.run_violations.push(format!(
+                    "engine {eg} reported lost unflushed writes without any power loss"
+                ));
+            }
+            self.era += 1;
+        }
     }
 
     fn op_done(&mut self, client: usize, hi: usize, result: crate::Result<OpOutput>) {
         if client < self.clients.len() && self.clients[client].pending != Some(hi) {
             return; // timed out already
+        }
+        if client == usize::MAX
+            && let Err(e) = &result
+        {
+            self.final_error = Some(e.to_string());
         }
         if let Ok(out) = result {
             let now = self.now;
@@ -808,6 +842,7 @@ impl Sim {
             }
             4 => {
                 // Power loss of one node: unsynced writes kept, dropped or torn.
+                self.power_losses += 1;
                 self.replicas[r].core = None;
                 let mut rng = self.rng.fork();
                 self.replicas[r].disk.power_loss(&mut rng);
@@ -877,6 +912,7 @@ impl Sim {
             _ => {
                 if self.rng.chance(0.3) {
                     // Total power loss: every replica and the engine.
+                    self.power_losses += 1;
                     for i in 0..self.replicas.len() {
                         self.replicas[i].core = None;
                         let mut rng = self.rng.fork();
@@ -929,7 +965,11 @@ impl Sim {
     fn run_op(&mut self, kind: OpKind, op: ClientOp) -> Option<usize> {
         let hi = self.submit(usize::MAX, kind, op)?;
         let deadline = self.now + 10_000_000;
-        while self.history[hi].complete.is_none() && self.now < deadline {
+        self.final_error = None;
+        while self.history[hi].complete.is_none()
+            && self.final_error.is_none()
+            && self.now < deadline
+        {
             if !self.step() {
                 break;
             }
@@ -943,9 +983,10 @@ impl Sim {
         if let Some(hi) = self.run_op(OpKind::Flush, ClientOp::Scrub)
             && self.history[hi].complete.is_none()
         {
+            let why = self.final_error.take().unwrap_or_else(|| "timed out".into());
             report
                 .violations
-                .push("final scrub did not complete".into());
+                .push(format!("final scrub did not complete: {why}"));
         }
         let until = self.now + 200_000;
         while self.now < until && self.step() {}
@@ -959,9 +1000,10 @@ impl Sim {
                 ClientOp::Read { lba, blocks: 1 },
             );
             if hi.is_none_or(|h| self.history[h].complete.is_none()) {
+                let why = self.final_error.take().unwrap_or_else(|| "timed out".into());
                 report
                     .violations
-                    .push(format!("final read of block {lba} failed"));
+                    .push(format!("final read of block {lba} failed: {why}"));
             }
         }
         let _ = self.run_op(OpKind::Flush, ClientOp::Flush);

@@ -43,6 +43,48 @@ pub trait StoreDir: Send + fmt::Debug {
     fn list(&self) -> io::Result<Vec<String>>;
     /// Makes creations and removals durable.
     fn sync_dir(&self) -> io::Result<()>;
+    /// Identifies the lifetime of the page cache holding this directory's
+    /// unsynced writes: it must change whenever unsynced writes may have
+    /// been lost (a reboot or power loss), and may stay the same across a
+    /// mere process restart. The store compares it with the value it
+    /// recorded to learn that it may have lost writes it acknowledged.
+    ///
+    /// The default is a fresh value per process, which is always safe (a
+    /// process restart then counts as a power loss).
+    fn boot_id(&self) -> u64 {
+        process_boot_id()
+    }
+}
+
+/// A value unique to this process (see [`StoreDir::boot_id`]).
+fn process_boot_id() -> u64 {
+    use std::sync::OnceLock;
+    static ID: OnceLock<u64> = OnceLock::new();
+    *ID.get_or_init(|| {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        t ^ (u64::from(std::process::id()) << 32) ^ 0x9e37_79b9_7f4a_7c15
+    })
+}
+
+/// The kernel's boot id (`/proc/sys/kernel/random/boot_id`) folded to 64
+/// bits, or the per-process value where it is unavailable.
+fn kernel_boot_id() -> u64 {
+    use std::sync::OnceLock;
+    static ID: OnceLock<u64> = OnceLock::new();
+    *ID.get_or_init(|| {
+        let Ok(s) = fs::read_to_string("/proc/sys/kernel/random/boot_id") else {
+            return process_boot_id();
+        };
+        let hex: String = s.chars().filter(char::is_ascii_hexdigit).collect();
+        if hex.len() < 16 {
+            return process_boot_id();
+        }
+        let hi = u64::from_str_radix(&hex[..16], 16).unwrap_or(0);
+        let lo = u64::from_str_radix(&hex[16..hex.len().min(32)], 16).unwrap_or(0);
+        hi ^ lo.rotate_left(17)
+    })
 }
 
 /// A store directory on the local file system.
@@ -165,5 +207,9 @@ impl StoreDir for StdDir {
 
     fn sync_dir(&self) -> io::Result<()> {
         File::open(&self.path)?.sync_all()
+    }
+
+    fn boot_id(&self) -> u64 {
+        kernel_boot_id()
     }
 }

@@ -30,7 +30,19 @@ pub struct Superblock {
     pub wal_gen: u64,
     /// Layer chain, bottom first, head last.
     pub layers: Vec<LayerInfo>,
+    /// Boot id of the node when this superblock was written (see
+    /// [`crate::store::disk::StoreDir::boot_id`]).
+    pub boot_id: u64,
+    /// An engine attached since the last clean detach: the replica may have
+    /// acknowledged writes that are not synced yet.
+    pub open: bool,
+    /// The node lost its page cache while `open`: the replica may lack
+    /// writes it acknowledged. Cleared when an engine adopts or rebuilds it.
+    pub recovered: bool,
 }
+
+const SB_OPEN: u8 = 1;
+const SB_RECOVERED: u8 = 2;
 
 struct W<'a> {
     buf: &'a mut [u8],
@@ -113,6 +125,10 @@ impl Superblock {
                 w.put(&[name.len() as u8])?;
                 w.put(name)?;
             }
+            w.u64(self.boot_id)?;
+            let flags = if self.open { SB_OPEN } else { 0 }
+                | if self.recovered { SB_RECOVERED } else { 0 };
+            w.put(&[flags])?;
         }
         let crc = crc32c::crc32c(&buf[12..]);
         buf[8..12].copy_from_slice(&crc.to_le_bytes());
@@ -151,6 +167,11 @@ impl Superblock {
             let name = std::str::from_utf8(r.take(len)?).ok()?.to_string();
             layers.push(LayerInfo { id, name, created });
         }
+        let boot_id = r.u64()?;
+        let flags = r.u8()?;
+        if flags & !(SB_OPEN | SB_RECOVERED) != 0 {
+            return None;
+        }
         Some(Superblock {
             generation,
             size_blocks,
@@ -160,6 +181,9 @@ impl Superblock {
             position,
             wal_gen,
             layers,
+            boot_id,
+            open: flags & SB_OPEN != 0,
+            recovered: flags & SB_RECOVERED != 0,
         })
     }
 }
@@ -389,6 +413,9 @@ mod tests {
                     created: Tag::new(2, 2),
                 },
             ],
+            boot_id: 0xdead_beef,
+            open: true,
+            recovered: true,
         }
     }
 

@@ -123,6 +123,9 @@ impl Store {
             position: Tag::default(),
             wal_gen: 1,
             layers: vec![head.clone()],
+            boot_id: dir.boot_id(),
+            open: false,
+            recovered: false,
         };
         let mut sb_file = dir.open(SB_NAME, true).map_err(Error::store("create"))?;
         sb_file
@@ -164,7 +167,18 @@ impl Store {
                 best = Some(sb);
             }
         }
-        let sb = best.ok_or_else(|| Error::Corrupt("no valid superblock slot".into()))?;
+        let mut sb = best.ok_or_else(|| Error::Corrupt("no valid superblock slot".into()))?;
+        let boot = dir.boot_id();
+        if sb.boot_id != boot {
+            if sb.open && sb.state == ReplicaState::Clean && !sb.recovered {
+                // Writes acknowledged since the last sync may be gone: the
+                // position below is only what survived. Persisted by the
+                // checkpoint at the end of open.
+                warn!("node restarted while attached: replica may lack acknowledged writes");
+                sb.recovered = true;
+            }
+            sb.boot_id = boot;
+        }
         // Remove files of layers that are not in the chain (crash during
         // snapshot create/delete/revert).
         let keep: Vec<(String, String)> = sb.layers.iter().map(|l| layer_names(l.id)).collect();
@@ -387,6 +401,7 @@ impl Store {
             position: self.position,
             size_blocks: self.sb.size_blocks,
             layers: self.sb.layers.clone(),
+            recovered: self.sb.recovered && self.sb.state == ReplicaState::Clean,
         }
     }
 
@@ -401,9 +416,45 @@ impl Store {
     }
 
     /// Persists a new epoch and its engine (synced before returning).
+    /// The replica is open for writes from then on (see [`Store::close`]).
     pub fn set_epoch(&mut self, epoch: u64, engine: u64) -> Result<()> {
         self.sb.epoch = epoch;
         self.sb.engine = engine;
+        self.sb.open = true;
+        self.write_sb()
+    }
+
+    /// Persists that an engine is attached (writes may follow that are not
+    /// synced before they are acknowledged).
+    pub fn mark_open(&mut self) -> Result<()> {
+        if self.sb.open {
+            return Ok(());
+        }
+        self.sb.open = true;
+        self.write_sb()
+    }
+
+    /// Clean detach: checkpoints and records that nothing acknowledged is
+    /// unsynced, so a later power loss does not mark the replica recovered.
+    pub fn close(&mut self) -> Result<()> {
+        self.checkpoint()?;
+        self.sb.open = false;
+        self.write_sb()
+    }
+
+    /// Whether the replica may lack writes it acknowledged before a power
+    /// loss (see [`ReplicaInfo::recovered`]).
+    pub fn recovered(&self) -> bool {
+        self.sb.recovered && self.sb.state == ReplicaState::Clean
+    }
+
+    /// An engine adopted this replica's content as in sync: clears the
+    /// recovered mark.
+    pub fn adopt(&mut self) -> Result<()> {
+        if !self.sb.recovered {
+            return Ok(());
+        }
+        self.sb.recovered = false;
         self.write_sb()
     }
 
@@ -677,6 +728,7 @@ impl Store {
         self.layers = new;
         self.sb.layers = layers.to_vec();
         self.sb.state = ReplicaState::Rebuilding;
+        self.sb.recovered = false;
         if size_blocks > self.sb.size_blocks {
             self.grow(size_blocks)?;
         }
@@ -701,6 +753,7 @@ impl Store {
     pub fn mark_clean(&mut self) -> Result<()> {
         self.checkpoint()?;
         self.sb.state = ReplicaState::Clean;
+        self.sb.recovered = false;
         self.write_sb()
     }
 

@@ -23,6 +23,11 @@
 //! * A replica that times out, refuses or faults leaves the active set and
 //!   is rebuilt (incrementally: only blocks whose tags differ are copied).
 
+mod attach;
+mod io;
+mod rebuild;
+mod scrub;
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use bytes::{Bytes, BytesMut};
@@ -251,6 +256,11 @@ pub struct EngineStatus {
     pub blocks_copied: u64,
     /// Block copies repaired since attach.
     pub repairs: u64,
+    /// Attaches that could not rule out the loss of acknowledged but
+    /// unflushed writes (every replica holding them lost power); each
+    /// failed the operations queued at that moment with
+    /// [`Error::UnflushedWritesLost`].
+    pub lost_unflushed: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -323,6 +333,7 @@ enum Ctx {
         op: OpId,
         chunk: u64,
     },
+    Adopt,
     RepairRead {
         bad_on: ReplicaId,
         layer: u64,
@@ -455,6 +466,20 @@ pub struct Engine {
     /// Set once attached: a later re-attach must not take the volume from
     /// a newer engine, so seeing a higher epoch then means fenced.
     attached_once: bool,
+    /// Highest tag of an ordered operation completed to a client, or
+    /// exposed to reads: a re-attach of this engine below it has lost
+    /// acknowledged writes.
+    acked_pos: Tag,
+    /// Every operation a read may observe is held by at least `W` replicas
+    /// of this epoch. After an attach the source's position may include
+    /// operations that only the source holds (writes of a failed engine
+    /// that were never acknowledged): a read that showed one, followed by
+    /// a re-attach from the other replicas, would go back in time. Reads
+    /// therefore wait until `W` replicas are in sync (like Raft's leader
+    /// committing an entry of its term before serving reads).
+    stable: bool,
+    /// Position the last attach started from.
+    start_pos: Tag,
     status: EngineStatus,
 }
 
@@ -499,6 +524,9 @@ impl Engine {
             pumping: false,
             repump: false,
             attached_once: false,
+            acked_pos: Tag::default(),
+            stable: false,
+            start_pos: Tag::default(),
             status: EngineStatus {
                 phase: Phase::Probing,
                 epoch: 0,
@@ -509,6 +537,7 @@ impl Engine {
                 rebuilds_done: 0,
                 blocks_copied: 0,
                 repairs: 0,
+                lost_unflushed: 0,
             },
             cfg,
         };
@@ -597,20 +626,6 @@ impl Engine {
     fn complete(&mut self, id: OpId, result: Result<OpOutput, Error>) {
         self.inflight.remove(&id);
         self.out.push_back(Output::Complete { id, result });
-    }
-
-    fn probe(&mut self, r: ReplicaId) {
-        self.peers[r].link = Link::Probing;
-        self.send(r, Request::Probe, Ctx::Probe);
-    }
-
-    fn attach(&mut self, r: ReplicaId) {
-        self.peers[r].link = Link::Attaching;
-        let req = Request::Attach {
-            epoch: self.epoch,
-            engine: self.cfg.engine_id,
-        };
-        self.send(r, req, Ctx::Attach);
     }
 
     /// Submits a client operation; its completion comes out of
@@ -775,7 +790,7 @@ impl Engine {
             let can_run = if needs_quorum {
                 self.writes_allowed()
             } else {
-                self.active_count() > 0
+                self.stable && self.active_count() > 0
             };
             if !can_run && needs_quorum && self.cfg.on_quorum_loss == QuorumLossPolicy::Fail {
                 let q = self.queue.remove(i).expect("index in range");
@@ -964,162 +979,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Issues an ordered op to every active and rebuilding replica.
-    fn issue(&mut self, op_id: OpId, op: Op, on_commit: Commit) {
-        let tag = Tag::new(self.epoch, self.position.index + 1);
-        self.position = tag;
-        if let Commit::Layers(l) = &on_commit {
-            self.layers = l.clone();
-        }
-        if let Commit::Size(s) = &on_commit {
-            self.size_blocks = self.size_blocks.max(*s);
-        }
-        self.writes.insert(
-            tag.index,
-            WriteState {
-                op: op_id,
-                error: None,
-                on_commit,
-            },
-        );
-        for r in 0..self.peers.len() {
-            let role = self.peers[r].role;
-            let rebuilding_started = self.rebuilds.iter().any(|rb| rb.target == r && rb.began);
-            if role == Role::Active || (role == Role::Rebuilding && rebuilding_started) {
-                let req = Request::Op {
-                    epoch: self.epoch,
-                    tag,
-                    op: op.clone(),
-                };
-                self.send(r, req, Ctx::Op { index: tag.index });
-            }
-        }
-        self.check_commits();
-    }
-
-    fn check_commits(&mut self) {
-        if self.phase != Phase::Running {
-            return;
-        }
-        let active: Vec<ReplicaId> = self.ids(Role::Active);
-        let commit = if self.cfg.bugs.ack_on_first_replica {
-            active.iter().map(|&r| self.peers[r].acked.index).max()
-        } else {
-            if active.len() < self.w() {
-                return;
-            }
-            active.iter().map(|&r| self.peers[r].acked.index).min()
-        };
-        let Some(commit) = commit else { return };
-        while let Some((&idx, _)) = self.writes.first_key_value() {
-            if idx > commit {
-                break;
-            }
-            let Some((_, ws)) = self.writes.pop_first() else {
-                break;
-            };
-            let result = match ws.error {
-                Some(e) => Err(Error::InvalidArgument(e)),
-                None => Ok(OpOutput::Done),
-            };
-            self.complete(ws.op, result);
-        }
-        let sessions: Vec<u64> = self.rebuilds.iter().map(|rb| rb.session).collect();
-        for s in sessions {
-            self.rb_pump(s);
-        }
-        self.pump();
-    }
-
-    fn check_flushes(&mut self) {
-        if !self.writes_allowed() && !self.cfg.bugs.ack_on_first_replica {
-            return;
-        }
-        let done: Vec<u64> = self
-            .flushes
-            .iter()
-            .filter(|(_, f)| f.waiting.is_empty())
-            .map(|(&k, _)| k)
-            .collect();
-        for k in done {
-            if let Some(f) = self.flushes.remove(&k) {
-                self.complete(f.op, Ok(OpOutput::Done));
-            }
-        }
-    }
-
-    fn check_detach(&mut self) {
-        if let Some((op, waiting)) = &self.detach
-            && waiting.is_empty()
-        {
-            let op = *op;
-            self.detach = None;
-            self.complete(op, Ok(OpOutput::Done));
-            self.phase = Phase::Detached;
-            self.fail_all(|| Error::Detached);
-        }
-    }
-
-    fn read_attempt(&mut self, op: OpId) {
-        let Some(rs) = self.reads.get(&op) else {
-            return;
-        };
-        let (lba, blocks) = (rs.lba, rs.blocks);
-        let candidates: Vec<ReplicaId> = self
-            .ids(Role::Active)
-            .into_iter()
-            .filter(|r| !rs.tried.contains(r))
-            .collect();
-        if candidates.is_empty() {
-            self.reads.remove(&op);
-            return self.complete(op, Err(Error::ReadFailed { lba }));
-        }
-        self.rr = self.rr.wrapping_add(1);
-        let r = candidates[self.rr % candidates.len()];
-        if let Some(rs) = self.reads.get_mut(&op) {
-            rs.tried.insert(r);
-        }
-        let epoch = self.epoch;
-        self.send(r, Request::Read { epoch, lba, blocks }, Ctx::Read { op });
-        // Read fencing: W replicas must confirm the epoch after the read began.
-        let others: Vec<ReplicaId> = (0..self.peers.len())
-            .filter(|&p| p != r && self.peers[p].link == Link::Attached)
-            .collect();
-        for p in others {
-            let asked = self.reads.get(&op).is_some_and(|rs| rs.asked.contains(&p));
-            if !asked {
-                if let Some(rs) = self.reads.get_mut(&op) {
-                    rs.asked.insert(p);
-                }
-                self.send(p, Request::Ping { epoch }, Ctx::Ping { op });
-            }
-        }
-    }
-
-    fn check_read(&mut self, op: OpId) {
-        let w = self.w();
-        let skip = self.cfg.bugs.skip_read_fencing;
-        let Some(rs) = self.reads.get(&op) else {
-            return;
-        };
-        if rs.data.is_some() && (skip || rs.confirmed.len() >= w) {
-            let Some(rs) = self.reads.remove(&op) else {
-                return;
-            };
-            let data = rs.data.unwrap_or_default();
-            self.complete(op, Ok(OpOutput::Data(data)));
-        } else if rs.data.is_some() {
-            // Not enough confirmations possible? Ask every attached replica again.
-            let reachable = (0..self.peers.len())
-                .filter(|&p| self.peers[p].link == Link::Attached)
-                .count();
-            if reachable < w {
-                // Wait: the rejoin timer will bring replicas back, or fencing
-                // will fail the read.
-            }
-        }
-    }
-
     /// Advances time by one tick: expires requests, retries failed replicas,
     /// drives rebuilds.
     pub fn tick(&mut self) {
@@ -1154,51 +1013,6 @@ impl Engine {
             self.reping_reads();
         }
         self.pump();
-    }
-
-    /// Asks attached replicas that have not confirmed a waiting read yet.
-    fn reping_reads(&mut self) {
-        let epoch = self.epoch;
-        let mut sends = Vec::new();
-        for (&op, rs) in &mut self.reads {
-            if rs.data.is_none() {
-                continue;
-            }
-            for p in 0..self.peers.len() {
-                if self.peers[p].link == Link::Attached && !rs.asked.contains(&p) {
-                    rs.asked.insert(p);
-                    sends.push((p, op));
-                }
-            }
-        }
-        for (p, op) in sends {
-            self.send(p, Request::Ping { epoch }, Ctx::Ping { op });
-        }
-    }
-
-    /// Every active replica is gone: in-flight ordered operations may or may
-    /// not have happened, so fail them, and attach again under a new epoch
-    /// (source selection by position, as at first attach).
-    fn reattach(&mut self) {
-        warn!("no active replica left; re-attaching under a new epoch");
-        let (have, need) = (0, self.w());
-        let mut ops: Vec<OpId> = self.writes.values().map(|w| w.op).collect();
-        self.writes.clear();
-        ops.extend(self.flushes.values().map(|f| f.op));
-        self.flushes.clear();
-        ops.extend(self.reads.keys().copied());
-        self.reads.clear();
-        if let Some((op, _)) = self.scrub.take() {
-            ops.push(op);
-        }
-        self.rebuilds.clear();
-        for op in ops {
-            self.complete(op, Err(Error::QuorumLost { have, need }));
-        }
-        // Re-attach above our own epoch only; a higher epoch seen while
-        // probing fences us (see `attached_once`).
-        self.cfg.min_epoch = self.cfg.min_epoch.max(self.epoch);
-        self.restart_attach();
     }
 
     fn peer_failed(&mut self, r: ReplicaId, why: &str) {
@@ -1278,6 +1092,10 @@ impl Engine {
         if self.phase == Phase::Running {
             let (have, need) = (self.active_count(), self.w());
             if have < need && self.cfg.on_quorum_loss == QuorumLossPolicy::Fail {
+                // Failed writes may be applied on fewer than W replicas.
+                if !self.writes.is_empty() {
+                    self.stable = false;
+                }
                 let ws: Vec<(u64, OpId)> = self.writes.iter().map(|(&k, v)| (k, v.op)).collect();
                 for (k, op) in ws {
                     self.writes.remove(&k);
@@ -1299,19 +1117,6 @@ impl Engine {
         if self.phase == Phase::Attaching {
             self.try_finish_attach();
         }
-    }
-
-    fn fence(&mut self, epoch: u64) {
-        if self.phase == Phase::Fenced {
-            return;
-        }
-        warn!(
-            ours = self.epoch,
-            theirs = epoch,
-            "engine fenced by a newer epoch"
-        );
-        self.phase = Phase::Fenced;
-        self.fail_all(|| Error::Fenced { epoch });
     }
 
     fn fail_all(&mut self, e: impl Fn() -> Error) {
@@ -1395,76 +1200,8 @@ impl Engine {
             }
         }
         match p.ctx {
-            Ctx::Probe => {
-                let Response::Info(info) = resp else {
-                    return self.peer_failed(from, "bad probe answer");
-                };
-                self.peers[from].info = Some(info.clone());
-                if self.attached_once && info.epoch > self.epoch {
-                    // Someone attached after us: we are a stale engine.
-                    return self.fence(info.epoch);
-                }
-                match self.phase {
-                    Phase::Probing => {
-                        self.peers[from].link = Link::Attaching; // parked until epoch chosen
-                        let probed = self.peers.iter().filter(|p| p.info.is_some()).count();
-                        if probed >= self.r_quorum() {
-                            let max = self
-                                .peers
-                                .iter()
-                                .filter_map(|p| p.info.as_ref().map(|i| i.epoch))
-                                .max()
-                                .unwrap_or(0);
-                            self.epoch = max.max(self.cfg.min_epoch) + 1;
-                            self.phase = Phase::Attaching;
-                            info!(epoch = self.epoch, engine = self.cfg.engine_id, "attaching");
-                            for r in 0..self.peers.len() {
-                                if self.peers[r].info.is_some() {
-                                    self.attach(r);
-                                }
-                            }
-                        }
-                    }
-                    Phase::Attaching | Phase::Running => {
-                        if info.epoch > self.epoch && self.phase == Phase::Running {
-                            return self.fence(info.epoch);
-                        }
-                        if info.epoch > self.epoch {
-                            return self.fence(info.epoch);
-                        }
-                        self.attach(from);
-                    }
-                    _ => {}
-                }
-            }
-            Ctx::Attach => {
-                let Response::Info(info) = resp else {
-                    return self.peer_failed(from, "bad attach answer");
-                };
-                self.peers[from].link = Link::Attached;
-                self.peers[from].info = Some(info.clone());
-                self.peers[from].acked = info.position;
-                self.peers[from].role = Role::Idle;
-                if self.phase == Phase::Attaching {
-                    self.try_finish_attach();
-                } else if self.phase == Phase::Running {
-                    // Same position, same layers, nothing in flight: it holds
-                    // exactly what the active replicas hold.
-                    let in_sync = info.state == ReplicaState::Clean
-                        && info.position == self.position
-                        && info.layers == self.layers
-                        && info.size_blocks == self.size_blocks
-                        && self.writes.is_empty();
-                    if in_sync {
-                        info!(replica = from, "replica joined in sync");
-                        self.peers[from].role = Role::Active;
-                        self.check_commits();
-                        self.check_flushes();
-                    } else {
-                        self.maybe_start_rebuilds();
-                    }
-                }
-            }
+            Ctx::Probe => self.on_probe(from, resp),
+            Ctx::Attach => self.on_attach(from, resp),
             Ctx::Op { .. } => {
                 if let Response::Ack(pos) = resp {
                     self.peers[from].acked = self.peers[from].acked.max(pos);
@@ -1479,28 +1216,7 @@ impl Engine {
                 }
                 self.check_flushes();
             }
-            Ctx::Read { op } => match resp {
-                Response::Data { data, bad } => {
-                    let Some(rs) = self.reads.get_mut(&op) else {
-                        return;
-                    };
-                    if data.len() != rs.blocks as usize * BLOCK_SIZE {
-                        return self.peer_failed(from, "short read");
-                    }
-                    rs.confirmed.insert(from);
-                    if bad.is_empty() {
-                        rs.data = Some(data);
-                        self.check_read(op);
-                    } else {
-                        // Read from another replica, then repair these copies.
-                        for (lba, layer) in bad {
-                            self.schedule_repair(from, layer, lba);
-                        }
-                        self.read_attempt(op);
-                    }
-                }
-                _ => self.peer_failed(from, "bad read answer"),
-            },
+            Ctx::Read { op } => self.on_read(op, from, resp),
             Ctx::Ping { op } => {
                 if let Some(rs) = self.reads.get_mut(&op) {
                     rs.confirmed.insert(from);
@@ -1528,50 +1244,13 @@ impl Engine {
                 layer,
                 lba,
                 skip,
-            } => {
-                let mut repaired = false;
-                if let Response::Layer(v) = resp
-                    && let Some((t, d)) = v.into_iter().next()
-                {
-                    let entry = match (t, d) {
-                        (
-                            BlockTag::Present {
-                                tag,
-                                zero: true,
-                                valid: true,
-                            },
-                            _,
-                        ) => Some(CopyEntry::Zero(tag)),
-                        (
-                            BlockTag::Present {
-                                tag,
-                                zero: false,
-                                valid: true,
-                            },
-                            Some(d),
-                        ) => Some(CopyEntry::Data(tag, d)),
-                        _ => None,
-                    };
-                    if let Some(entry) = entry
-                        && self.peers[bad_on].link == Link::Attached
-                    {
-                        let req = Request::Repair {
-                            epoch: self.epoch,
-                            layer,
-                            lba,
-                            entries: vec![entry],
-                        };
-                        self.status.repairs += 1;
-                        self.send(bad_on, req, Ctx::Repair);
-                        repaired = true;
-                    }
-                }
-                if !repaired && self.peers[bad_on].link == Link::Attached {
-                    // That copy was bad too (or gone): try the next replica.
-                    self.schedule_repair_from(bad_on, layer, lba, skip + 1);
+            } => self.on_repair_read(bad_on, layer, lba, skip, resp),
+            Ctx::Repair => {}
+            Ctx::Adopt => {
+                if let Response::Info(info) = resp {
+                    self.peers[from].info = Some(info);
                 }
             }
-            Ctx::Repair => {}
             Ctx::Detach => {
                 if let Some((_, w)) = &mut self.detach {
                     w.remove(&from);
@@ -1579,565 +1258,6 @@ impl Engine {
                 self.check_detach();
             }
         }
-    }
-
-    fn restart_attach(&mut self) {
-        info!("restarting attach with a higher epoch");
-        self.phase = Phase::Probing;
-        for r in 0..self.peers.len() {
-            self.peers[r].info = None;
-            self.peers[r].role = Role::Idle;
-        }
-        let ids: Vec<u64> = self.pending.keys().copied().collect();
-        for id in ids {
-            self.pending.remove(&id);
-        }
-        for r in 0..self.peers.len() {
-            self.probe(r);
-        }
-    }
-
-    fn try_finish_attach(&mut self) {
-        let clean: Vec<ReplicaId> = (0..self.peers.len())
-            .filter(|&r| {
-                self.peers[r].link == Link::Attached
-                    && self.peers[r]
-                        .info
-                        .as_ref()
-                        .is_some_and(|i| i.state == ReplicaState::Clean)
-            })
-            .collect();
-        if clean.len() < self.r_quorum() {
-            return;
-        }
-        let source = if self.cfg.bugs.source_by_id {
-            clean[0]
-        } else {
-            let mut best = clean[0];
-            for &r in &clean {
-                let p = |x: ReplicaId| self.peers[x].info.as_ref().map(|i| i.position);
-                if p(r) > p(best) {
-                    best = r;
-                }
-            }
-            best
-        };
-        let Some(src) = self.peers[source].info.clone() else {
-            return;
-        };
-        self.position = src.position;
-        self.size_blocks = src.size_blocks;
-        self.layers = src.layers.clone();
-        for &r in &clean {
-            let same = self.peers[r].info.as_ref().is_some_and(|i| {
-                i.position == src.position
-                    && i.size_blocks == src.size_blocks
-                    && i.layers == src.layers
-            });
-            if same {
-                self.peers[r].role = Role::Active;
-                self.peers[r].acked = src.position;
-            }
-        }
-        self.phase = Phase::Running;
-        self.attached_once = true;
-        info!(
-            epoch = self.epoch,
-            position = %self.position,
-            active = ?self.ids(Role::Active),
-            "attached"
-        );
-        self.maybe_start_rebuilds();
-        self.pump();
-    }
-
-    fn maybe_start_rebuilds(&mut self) {
-        if self.phase != Phase::Running {
-            return;
-        }
-        // Admin ops in flight change layers: wait for them.
-        if self
-            .writes
-            .values()
-            .any(|w| !matches!(w.on_commit, Commit::None))
-        {
-            return;
-        }
-        let actives = self.ids(Role::Active);
-        if actives.is_empty() {
-            return;
-        }
-        for r in 0..self.peers.len() {
-            if self.peers[r].link != Link::Attached || self.peers[r].role != Role::Idle {
-                continue;
-            }
-            // Keep at least R replicas marked Clean on disk, so a later
-            // engine can always attach: a rebuild clears the target's mark.
-            let clean = |p: &Peer| {
-                p.link == Link::Attached
-                    && p.info
-                        .as_ref()
-                        .is_some_and(|i| i.state == ReplicaState::Clean)
-            };
-            let known_clean = self.peers.iter().filter(|p| clean(p)).count();
-            let after = known_clean - usize::from(clean(&self.peers[r]));
-            if after < self.r_quorum() {
-                continue;
-            }
-            // Prefer a source that is not itself busy as a source.
-            // Rotate sources across attempts, so a source with a bad copy
-            // (being repaired) is not retried forever.
-            let session = self.next_session;
-            let source = actives[(r + session as usize) % actives.len()];
-            self.next_session += 1;
-            self.peers[r].role = Role::Rebuilding;
-            if let Some(i) = self.peers[r].info.as_mut() {
-                i.state = ReplicaState::Rebuilding;
-            }
-            let start = self.position;
-            info!(target = r, source, session, start = %start, "rebuild starting");
-            self.rebuilds.push(RebuildState {
-                session,
-                target: r,
-                source,
-                start,
-                began: false,
-                layers: self.layers.iter().map(|l| l.id).collect(),
-                layer_idx: 0,
-                next_lba: 0,
-                chunks: BTreeMap::new(),
-                next_chunk: 0,
-                copy_done: false,
-                incomplete: false,
-                ending: false,
-            });
-            // Make the source's copy durable before the target's copy is
-            // invalidated: the target may be the only other holder of
-            // acknowledged but unflushed writes.
-            let epoch = self.epoch;
-            self.send(source, Request::Flush { epoch }, Ctx::RbFlush { session });
-        }
-    }
-
-    /// The source is flushed: start the rebuild proper. Every op issued from
-    /// here on also goes to the target.
-    fn rb_send_begin(&mut self, session: u64) {
-        let Some(i) = self.rb_index(session) else {
-            return;
-        };
-        let start = self.position;
-        let rb = &mut self.rebuilds[i];
-        rb.start = start;
-        rb.began = true;
-        rb.layers = self.layers.iter().map(|l| l.id).collect();
-        let target = rb.target;
-        let req = Request::RebuildBegin {
-            epoch: self.epoch,
-            session,
-            start,
-            size_blocks: self.size_blocks,
-            layers: self.layers.clone(),
-        };
-        self.send(target, req, Ctx::RbBegin { session });
-    }
-
-    fn rb_index(&self, session: u64) -> Option<usize> {
-        self.rebuilds.iter().position(|rb| rb.session == session)
-    }
-
-    fn rb_abort(&mut self, session: u64, why: &str) {
-        if let Some(i) = self.rb_index(session) {
-            let rb = self.rebuilds.remove(i);
-            warn!(target = rb.target, why, "rebuild aborted");
-            self.peer_failed(rb.target, why);
-        }
-    }
-
-    fn rb_begun(&mut self, session: u64, resp: Response) {
-        let Response::Info(info) = resp else {
-            return self.rb_abort(session, "rebuild begin refused");
-        };
-        if let Some(i) = self.rb_index(session) {
-            let t = self.rebuilds[i].target;
-            self.peers[t].acked = self.peers[t].acked.max(info.position);
-        }
-        self.rb_pump(session);
-    }
-
-    fn rb_pump(&mut self, session: u64) {
-        let Some(i) = self.rb_index(session) else {
-            return;
-        };
-        let source = self.rebuilds[i].source;
-        // The source must hold every op up to the start before copying.
-        if !self.rebuilds[i].began || self.peers[source].acked < self.rebuilds[i].start {
-            return;
-        }
-        let chunk_n = self.cfg.rebuild_chunk.clamp(1, MAX_IO_BLOCKS as u32);
-        while self.rebuilds[i].chunks.len() < self.cfg.rebuild_parallel.max(1)
-            && !self.rebuilds[i].copy_done
-        {
-            let rb = &mut self.rebuilds[i];
-            if rb.layer_idx >= rb.layers.len() {
-                rb.copy_done = true;
-                break;
-            }
-            if rb.next_lba >= self.size_blocks {
-                rb.layer_idx += 1;
-                rb.next_lba = 0;
-                continue;
-            }
-            let layer = rb.layers[rb.layer_idx];
-            let lba = rb.next_lba;
-            let blocks = (self.size_blocks - lba).min(chunk_n as u64) as u32;
-            rb.next_lba += blocks as u64;
-            let chunk = rb.next_chunk;
-            rb.next_chunk += 1;
-            rb.chunks.insert(
-                chunk,
-                Chunk {
-                    layer,
-                    lba,
-                    blocks,
-                    src: None,
-                    tgt: None,
-                    diff: vec![],
-                },
-            );
-            let target = rb.target;
-            let epoch = self.epoch;
-            let mk = |_: ()| Request::ReadLayer {
-                epoch,
-                layer,
-                lba,
-                blocks,
-                data: false,
-            };
-            self.send(
-                source,
-                mk(()),
-                Ctx::RbTags {
-                    session,
-                    chunk,
-                    source: true,
-                },
-            );
-            self.send(
-                target,
-                mk(()),
-                Ctx::RbTags {
-                    session,
-                    chunk,
-                    source: false,
-                },
-            );
-        }
-        let rb = &self.rebuilds[i];
-        if rb.copy_done && rb.chunks.is_empty() && !rb.ending {
-            let target = rb.target;
-            if rb.incomplete {
-                return self.rb_abort(session, "source had bad blocks; retry after repair");
-            }
-            // All ops up to the position must have reached the target.
-            if self.peers[target].acked.index < self.position.index {
-                return;
-            }
-            self.rebuilds[i].ending = true;
-            let req = Request::RebuildEnd {
-                epoch: self.epoch,
-                session,
-                position: self.position,
-            };
-            self.send(target, req, Ctx::RbEnd { session });
-        }
-    }
-
-    fn rb_tags(&mut self, session: u64, chunk: u64, source: bool, resp: Response) {
-        let Some(i) = self.rb_index(session) else {
-            return;
-        };
-        let Response::Layer(v) = resp else {
-            return self.rb_abort(session, "bad tags answer");
-        };
-        let tags: Vec<BlockTag> = v.into_iter().map(|(t, _)| t).collect();
-        let Some(c) = self.rebuilds[i].chunks.get_mut(&chunk) else {
-            return;
-        };
-        if tags.len() != c.blocks as usize {
-            return self.rb_abort(session, "short tags answer");
-        }
-        if source {
-            c.src = Some(tags);
-        } else {
-            c.tgt = Some(tags);
-        }
-        let (Some(s), Some(t)) = (&c.src, &c.tgt) else {
-            return;
-        };
-        let diff: Vec<bool> = s
-            .iter()
-            .zip(t.iter())
-            .map(|(a, b)| match (a, b) {
-                (BlockTag::Absent, BlockTag::Absent) => false,
-                (
-                    BlockTag::Present {
-                        tag: ta, zero: za, ..
-                    },
-                    BlockTag::Present {
-                        tag: tb,
-                        zero: zb,
-                        valid: vb,
-                    },
-                ) => !(ta == tb && za == zb && *vb),
-                _ => true,
-            })
-            .collect();
-        let Some(first) = diff.iter().position(|&d| d) else {
-            self.rebuilds[i].chunks.remove(&chunk);
-            return self.rb_pump(session);
-        };
-        let last = diff.iter().rposition(|&d| d).unwrap_or(first);
-        let (layer, lba) = (c.layer, c.lba);
-        c.lba = lba + first as u64;
-        c.blocks = (last - first + 1) as u32;
-        c.diff = diff[first..=last].to_vec();
-        let req = Request::ReadLayer {
-            epoch: self.epoch,
-            layer,
-            lba: c.lba,
-            blocks: c.blocks,
-            data: true,
-        };
-        let source_r = self.rebuilds[i].source;
-        self.send(source_r, req, Ctx::RbData { session, chunk });
-    }
-
-    fn rb_data(&mut self, session: u64, chunk: u64, resp: Response) {
-        let Some(i) = self.rb_index(session) else {
-            return;
-        };
-        let Response::Layer(v) = resp else {
-            return self.rb_abort(session, "bad data answer");
-        };
-        let Some(c) = self.rebuilds[i].chunks.get(&chunk).cloned() else {
-            return;
-        };
-        if v.len() != c.blocks as usize {
-            return self.rb_abort(session, "short data answer");
-        }
-        let mut entries = Vec::with_capacity(v.len());
-        let mut copied = 0;
-        for (k, (t, d)) in v.into_iter().enumerate() {
-            if !c.diff[k] {
-                entries.push(CopyEntry::Skip);
-                continue;
-            }
-            copied += 1;
-            entries.push(match (t, d) {
-                (BlockTag::Absent, _) => CopyEntry::Absent,
-                (
-                    BlockTag::Present {
-                        tag,
-                        zero: true,
-                        valid: true,
-                    },
-                    _,
-                ) => CopyEntry::Zero(tag),
-                (
-                    BlockTag::Present {
-                        tag,
-                        zero: false,
-                        valid: true,
-                    },
-                    Some(d),
-                ) if d.len() == BLOCK_SIZE => CopyEntry::Data(tag, d),
-                _ => {
-                    // Bad copy on the source: never copy it; repair the source
-                    // from another replica and rebuild again.
-                    self.rebuilds[i].incomplete = true;
-                    let src = self.rebuilds[i].source;
-                    self.schedule_repair(src, c.layer, c.lba + k as u64);
-                    CopyEntry::Skip
-                }
-            });
-        }
-        self.status.blocks_copied += copied;
-        let target = self.rebuilds[i].target;
-        let req = Request::Copy {
-            epoch: self.epoch,
-            session,
-            layer: c.layer,
-            lba: c.lba,
-            entries,
-        };
-        self.send(target, req, Ctx::RbCopy { session, chunk });
-    }
-
-    fn rb_end(&mut self, session: u64, resp: Response) {
-        let Some(i) = self.rb_index(session) else {
-            return;
-        };
-        let Response::Info(info) = resp else {
-            return self.rb_abort(session, "rebuild end refused");
-        };
-        let rb = self.rebuilds.remove(i);
-        let r = rb.target;
-        self.peers[r].role = Role::Active;
-        self.peers[r].info = Some(info.clone());
-        self.peers[r].acked = self.peers[r].acked.max(info.position);
-        self.status.rebuilds_done += 1;
-        info!(target = r, position = %info.position, "rebuild complete; replica active");
-        self.check_commits();
-        self.check_flushes();
-        self.pump();
-    }
-
-    /// Sends a repair for `lba` in `layer` on replica `bad_on`, reading the
-    /// good copy from another active replica.
-    fn schedule_repair(&mut self, bad_on: ReplicaId, layer: u64, lba: u64) {
-        self.schedule_repair_from(bad_on, layer, lba, 0);
-    }
-
-    /// Reads the good copy from the `skip`-th other active replica.
-    fn schedule_repair_from(&mut self, bad_on: ReplicaId, layer: u64, lba: u64, skip: usize) {
-        let from = self
-            .ids(Role::Active)
-            .into_iter()
-            .filter(|&r| r != bad_on)
-            .nth(skip);
-        if let Some(from) = from {
-            let req = Request::ReadLayer {
-                epoch: self.epoch,
-                layer,
-                lba,
-                blocks: 1,
-                data: true,
-            };
-            self.send(
-                from,
-                req,
-                Ctx::RepairRead {
-                    bad_on,
-                    layer,
-                    lba,
-                    skip,
-                },
-            );
-        }
-    }
-
-    fn scrub_pump(&mut self) {
-        let size = self.size_blocks;
-        let chunk_n = self.cfg.rebuild_chunk.clamp(1, MAX_IO_BLOCKS as u32);
-        let actives = self.ids(Role::Active);
-        let epoch = self.epoch;
-        let Some((op, st)) = &mut self.scrub else {
-            return;
-        };
-        let op = *op;
-        let mut sends = Vec::new();
-        while st.chunks.len() < 4 {
-            if st.layer_idx >= st.layers.len() {
-                break;
-            }
-            if st.next_lba >= size {
-                st.layer_idx += 1;
-                st.next_lba = 0;
-                continue;
-            }
-            let layer = st.layers[st.layer_idx];
-            let lba = st.next_lba;
-            let blocks = (size - lba).min(chunk_n as u64) as u32;
-            st.next_lba += blocks as u64;
-            let chunk = st.next_chunk;
-            st.next_chunk += 1;
-            st.chunks
-                .insert(chunk, (layer, lba, blocks, BTreeMap::new(), actives.len()));
-            for &r in &actives {
-                sends.push((
-                    r,
-                    Request::ReadLayer {
-                        epoch,
-                        layer,
-                        lba,
-                        blocks,
-                        data: false,
-                    },
-                    Ctx::ScrubTags { op, chunk },
-                ));
-            }
-        }
-        let done = st.chunks.is_empty() && st.layer_idx >= st.layers.len();
-        for (r, req, ctx) in sends {
-            self.send(r, req, ctx);
-        }
-        if done && let Some((op, st)) = self.scrub.take() {
-            self.complete(op, Ok(OpOutput::Scrub(st.report)));
-        }
-    }
-
-    fn scrub_tags(&mut self, op: OpId, chunk: u64, from: ReplicaId, resp: Response) {
-        let Response::Layer(v) = resp else {
-            return self.peer_failed(from, "bad scrub answer");
-        };
-        let mut repairs = Vec::new();
-        {
-            let Some((sop, st)) = &mut self.scrub else {
-                return;
-            };
-            if *sop != op {
-                return;
-            }
-            let Some(c) = st.chunks.get_mut(&chunk) else {
-                return;
-            };
-            c.3.insert(from, v.into_iter().map(|(t, _)| t).collect());
-            if c.3.len() < c.4 {
-                return;
-            }
-            let Some((layer, lba, blocks, tags, _)) = st.chunks.remove(&chunk) else {
-                return;
-            };
-            for k in 0..blocks as usize {
-                let mut seen: Option<(Tag, bool)> = None;
-                let mut bad_on = Vec::new();
-                let mut divergent = false;
-                for (&r, t) in &tags {
-                    let Some(bt) = t.get(k) else { continue };
-                    st.report.checked += 1;
-                    match *bt {
-                        BlockTag::Absent => {
-                            if seen.is_some() {
-                                divergent = true;
-                            }
-                        }
-                        BlockTag::Present { tag, zero, valid } => {
-                            if !valid {
-                                st.report.bad += 1;
-                                bad_on.push(r);
-                            } else if let Some(s) = seen {
-                                if s != (tag, zero) {
-                                    divergent = true;
-                                }
-                            } else {
-                                seen = Some((tag, zero));
-                            }
-                        }
-                    }
-                }
-                if divergent {
-                    st.report.divergent += 1;
-                }
-                for r in bad_on {
-                    st.report.repaired += 1;
-                    repairs.push((r, layer, lba + k as u64));
-                }
-            }
-        }
-        for (r, layer, lba) in repairs {
-            self.schedule_repair(r, layer, lba);
-        }
-        self.scrub_pump();
     }
 
     /// Concatenates read data (helper for drivers that split requests).

@@ -1,0 +1,215 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The I/O path: ordered operations and their commit, flushes, detach, and
+//! reads with read fencing.
+
+use super::*;
+
+impl Engine {
+    /// Issues an ordered op to every active and rebuilding replica.
+    pub(super) fn issue(&mut self, op_id: OpId, op: Op, on_commit: Commit) {
+        let tag = Tag::new(self.epoch, self.position.index + 1);
+        self.position = tag;
+        if let Commit::Layers(l) = &on_commit {
+            self.layers = l.clone();
+        }
+        if let Commit::Size(s) = &on_commit {
+            self.size_blocks = self.size_blocks.max(*s);
+        }
+        self.writes.insert(
+            tag.index,
+            WriteState {
+                op: op_id,
+                error: None,
+                on_commit,
+            },
+        );
+        for r in 0..self.peers.len() {
+            let role = self.peers[r].role;
+            let rebuilding_started = self.rebuilds.iter().any(|rb| rb.target == r && rb.began);
+            if role == Role::Active || (role == Role::Rebuilding && rebuilding_started) {
+                let req = Request::Op {
+                    epoch: self.epoch,
+                    tag,
+                    op: op.clone(),
+                };
+                self.send(r, req, Ctx::Op { index: tag.index });
+            }
+        }
+        self.check_commits();
+    }
+
+    pub(super) fn check_commits(&mut self) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        let active: Vec<ReplicaId> = self.ids(Role::Active);
+        if active.len() >= self.w() && !self.stable {
+            self.stable = true;
+            self.acked_pos = self.acked_pos.max(self.start_pos);
+            self.repump = true;
+        }
+        let commit = if self.cfg.bugs.ack_on_first_replica {
+            active.iter().map(|&r| self.peers[r].acked.index).max()
+        } else {
+            if active.len() < self.w() {
+                return;
+            }
+            active.iter().map(|&r| self.peers[r].acked.index).min()
+        };
+        let Some(commit) = commit else { return };
+        while let Some((&idx, _)) = self.writes.first_key_value() {
+            if idx > commit {
+                break;
+            }
+            let Some((_, ws)) = self.writes.pop_first() else {
+                break;
+            };
+            self.acked_pos = self.acked_pos.max(Tag::new(self.epoch, idx));
+            let result = match ws.error {
+                Some(e) => Err(Error::InvalidArgument(e)),
+                None => Ok(OpOutput::Done),
+            };
+            self.complete(ws.op, result);
+        }
+        let sessions: Vec<u64> = self.rebuilds.iter().map(|rb| rb.session).collect();
+        for s in sessions {
+            self.rb_pump(s);
+        }
+        self.pump();
+    }
+
+    pub(super) fn check_flushes(&mut self) {
+        if !self.writes_allowed() && !self.cfg.bugs.ack_on_first_replica {
+            return;
+        }
+        let done: Vec<u64> = self
+            .flushes
+            .iter()
+            .filter(|(_, f)| f.waiting.is_empty())
+            .map(|(&k, _)| k)
+            .collect();
+        for k in done {
+            if let Some(f) = self.flushes.remove(&k) {
+                self.complete(f.op, Ok(OpOutput::Done));
+            }
+        }
+    }
+
+    pub(super) fn check_detach(&mut self) {
+        if let Some((op, waiting)) = &self.detach
+            && waiting.is_empty()
+        {
+            let op = *op;
+            self.detach = None;
+            self.complete(op, Ok(OpOutput::Done));
+            self.phase = Phase::Detached;
+            self.fail_all(|| Error::Detached);
+        }
+    }
+
+    pub(super) fn read_attempt(&mut self, op: OpId) {
+        let Some(rs) = self.reads.get(&op) else {
+            return;
+        };
+        let (lba, blocks) = (rs.lba, rs.blocks);
+        let candidates: Vec<ReplicaId> = self
+            .ids(Role::Active)
+            .into_iter()
+            .filter(|r| !rs.tried.contains(r))
+            .collect();
+        if candidates.is_empty() {
+            self.reads.remove(&op);
+            return self.complete(op, Err(Error::ReadFailed { lba }));
+        }
+        self.rr = self.rr.wrapping_add(1);
+        let r = candidates[self.rr % candidates.len()];
+        if let Some(rs) = self.reads.get_mut(&op) {
+            rs.tried.insert(r);
+        }
+        let epoch = self.epoch;
+        self.send(r, Request::Read { epoch, lba, blocks }, Ctx::Read { op });
+        // Read fencing: W replicas must confirm the epoch after the read began.
+        let others: Vec<ReplicaId> = (0..self.peers.len())
+            .filter(|&p| p != r && self.peers[p].link == Link::Attached)
+            .collect();
+        for p in others {
+            let asked = self.reads.get(&op).is_some_and(|rs| rs.asked.contains(&p));
+            if !asked {
+                if let Some(rs) = self.reads.get_mut(&op) {
+                    rs.asked.insert(p);
+                }
+                self.send(p, Request::Ping { epoch }, Ctx::Ping { op });
+            }
+        }
+    }
+
+    pub(super) fn check_read(&mut self, op: OpId) {
+        let w = self.w();
+        let skip = self.cfg.bugs.skip_read_fencing;
+        let Some(rs) = self.reads.get(&op) else {
+            return;
+        };
+        if rs.data.is_some() && (skip || rs.confirmed.len() >= w) {
+            let Some(rs) = self.reads.remove(&op) else {
+                return;
+            };
+            let data = rs.data.unwrap_or_default();
+            self.complete(op, Ok(OpOutput::Data(data)));
+        } else if rs.data.is_some() {
+            // Not enough confirmations possible? Ask every attached replica again.
+            let reachable = (0..self.peers.len())
+                .filter(|&p| self.peers[p].link == Link::Attached)
+                .count();
+            if reachable < w {
+                // Wait: the rejoin timer will bring replicas back, or fencing
+                // will fail the read.
+            }
+        }
+    }
+
+    /// Asks attached replicas that have not confirmed a waiting read yet.
+    pub(super) fn reping_reads(&mut self) {
+        let epoch = self.epoch;
+        let mut sends = Vec::new();
+        for (&op, rs) in &mut self.reads {
+            if rs.data.is_none() {
+                continue;
+            }
+            for p in 0..self.peers.len() {
+                if self.peers[p].link == Link::Attached && !rs.asked.contains(&p) {
+                    rs.asked.insert(p);
+                    sends.push((p, op));
+                }
+            }
+        }
+        for (p, op) in sends {
+            self.send(p, Request::Ping { epoch }, Ctx::Ping { op });
+        }
+    }
+
+    /// Answer to a read.
+    pub(super) fn on_read(&mut self, op: OpId, from: ReplicaId, resp: Response) {
+        match resp {
+            Response::Data { data, bad } => {
+                let Some(rs) = self.reads.get_mut(&op) else {
+                    return;
+                };
+                if data.len() != rs.blocks as usize * BLOCK_SIZE {
+                    return self.peer_failed(from, "short read");
+                }
+                rs.confirmed.insert(from);
+                if bad.is_empty() {
+                    rs.data = Some(data);
+                    self.check_read(op);
+                } else {
+                    // Read from another replica, then repair these copies.
+                    for (lba, layer) in bad {
+                        self.schedule_repair(from, layer, lba);
+                    }
+                    self.read_attempt(op);
+                }
+            }
+            _ => self.peer_failed(from, "bad read answer"),
+        }
+    }
+}

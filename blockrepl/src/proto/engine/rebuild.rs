@@ -1,0 +1,350 @@
+// SPDX-License-Identifier: Apache-2.0
+//! Rebuild of a new or stale replica from an active one while writes
+//! continue (D4): the source is flushed, the target persists `Rebuilding`,
+//! receives every live operation, gets the blocks whose tags differ, and
+//! writes its completion marker last.
+
+use super::*;
+
+impl Engine {
+    pub(super) fn maybe_start_rebuilds(&mut self) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        // Admin ops in flight change layers: wait for them.
+        if self
+            .writes
+            .values()
+            .any(|w| !matches!(w.on_commit, Commit::None))
+        {
+            return;
+        }
+        let actives = self.ids(Role::Active);
+        if actives.is_empty() {
+            return;
+        }
+        for r in 0..self.peers.len() {
+            if self.peers[r].link != Link::Attached || self.peers[r].role != Role::Idle {
+                continue;
+            }
+            // Keep at least R replicas marked Clean on disk, so a later
+            // engine can always attach: a rebuild clears the target's mark.
+            let clean = |p: &Peer| {
+                p.link == Link::Attached
+                    && p.info
+                        .as_ref()
+                        .is_some_and(|i| i.state == ReplicaState::Clean)
+            };
+            let known_clean = self.peers.iter().filter(|p| clean(p)).count();
+            let after = known_clean - usize::from(clean(&self.peers[r]));
+            if after < self.r_quorum() {
+                continue;
+            }
+            // Prefer a source that is not itself busy as a source.
+            // Rotate sources across attempts, so a source with a bad copy
+            // (being repaired) is not retried forever.
+            let session = self.next_session;
+            let source = actives[(r + session as usize) % actives.len()];
+            self.next_session += 1;
+            self.peers[r].role = Role::Rebuilding;
+            if let Some(i) = self.peers[r].info.as_mut() {
+                i.state = ReplicaState::Rebuilding;
+            }
+            let start = self.position;
+            info!(target = r, source, session, start = %start, "rebuild starting");
+            self.rebuilds.push(RebuildState {
+                session,
+                target: r,
+                source,
+                start,
+                began: false,
+                layers: self.layers.iter().map(|l| l.id).collect(),
+                layer_idx: 0,
+                next_lba: 0,
+                chunks: BTreeMap::new(),
+                next_chunk: 0,
+                copy_done: false,
+                incomplete: false,
+                ending: false,
+            });
+            // Make the source's copy durable before the target's copy is
+            // invalidated: the target may be the only other holder of
+            // acknowledged but unflushed writes.
+            let epoch = self.epoch;
+            self.send(source, Request::Flush { epoch }, Ctx::RbFlush { session });
+        }
+    }
+
+    /// The source is flushed: start the rebuild proper. Every op issued from
+    /// here on also goes to the target.
+    pub(super) fn rb_send_begin(&mut self, session: u64) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let start = self.position;
+        let rb = &mut self.rebuilds[i];
+        rb.start = start;
+        rb.began = true;
+        rb.layers = self.layers.iter().map(|l| l.id).collect();
+        let target = rb.target;
+        let req = Request::RebuildBegin {
+            epoch: self.epoch,
+            session,
+            start,
+            size_blocks: self.size_blocks,
+            layers: self.layers.clone(),
+        };
+        self.send(target, req, Ctx::RbBegin { session });
+    }
+
+    pub(super) fn rb_index(&self, session: u64) -> Option<usize> {
+        self.rebuilds.iter().position(|rb| rb.session == session)
+    }
+
+    pub(super) fn rb_abort(&mut self, session: u64, why: &str) {
+        if let Some(i) = self.rb_index(session) {
+            let rb = self.rebuilds.remove(i);
+            warn!(target = rb.target, why, "rebuild aborted");
+            self.peer_failed(rb.target, why);
+        }
+    }
+
+    pub(super) fn rb_begun(&mut self, session: u64, resp: Response) {
+        let Response::Info(info) = resp else {
+            return self.rb_abort(session, "rebuild begin refused");
+        };
+        if let Some(i) = self.rb_index(session) {
+            let t = self.rebuilds[i].target;
+            self.peers[t].acked = self.peers[t].acked.max(info.position);
+        }
+        self.rb_pump(session);
+    }
+
+    pub(super) fn rb_pump(&mut self, session: u64) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let source = self.rebuilds[i].source;
+        // The source must hold every op up to the start before copying.
+        if !self.rebuilds[i].began || self.peers[source].acked < self.rebuilds[i].start {
+            return;
+        }
+        let chunk_n = self.cfg.rebuild_chunk.clamp(1, MAX_IO_BLOCKS as u32);
+        while self.rebuilds[i].chunks.len() < self.cfg.rebuild_parallel.max(1)
+            && !self.rebuilds[i].copy_done
+        {
+            let rb = &mut self.rebuilds[i];
+            if rb.layer_idx >= rb.layers.len() {
+                rb.copy_done = true;
+                break;
+            }
+            if rb.next_lba >= self.size_blocks {
+                rb.layer_idx += 1;
+                rb.next_lba = 0;
+                continue;
+            }
+            let layer = rb.layers[rb.layer_idx];
+            let lba = rb.next_lba;
+            let blocks = (self.size_blocks - lba).min(chunk_n as u64) as u32;
+            rb.next_lba += blocks as u64;
+            let chunk = rb.next_chunk;
+            rb.next_chunk += 1;
+            rb.chunks.insert(
+                chunk,
+                Chunk {
+                    layer,
+                    lba,
+                    blocks,
+                    src: None,
+                    tgt: None,
+                    diff: vec![],
+                },
+            );
+            let target = rb.target;
+            let epoch = self.epoch;
+            let mk = |_: ()| Request::ReadLayer {
+                epoch,
+                layer,
+                lba,
+                blocks,
+                data: false,
+            };
+            self.send(
+                source,
+                mk(()),
+                Ctx::RbTags {
+                    session,
+                    chunk,
+                    source: true,
+                },
+            );
+            self.send(
+                target,
+                mk(()),
+                Ctx::RbTags {
+                    session,
+                    chunk,
+                    source: false,
+                },
+            );
+        }
+        let rb = &self.rebuilds[i];
+        if rb.copy_done && rb.chunks.is_empty() && !rb.ending {
+            let target = rb.target;
+            if rb.incomplete {
+                return self.rb_abort(session, "source had bad blocks; retry after repair");
+            }
+            // All ops up to the position must have reached the target.
+            if self.peers[target].acked.index < self.position.index {
+                return;
+            }
+            self.rebuilds[i].ending = true;
+            let req = Request::RebuildEnd {
+                epoch: self.epoch,
+                session,
+                position: self.position,
+            };
+            self.send(target, req, Ctx::RbEnd { session });
+        }
+    }
+
+    pub(super) fn rb_tags(&mut self, session: u64, chunk: u64, source: bool, resp: Response) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let Response::Layer(v) = resp else {
+            return self.rb_abort(session, "bad tags answer");
+        };
+        let tags: Vec<BlockTag> = v.into_iter().map(|(t, _)| t).collect();
+        let Some(c) = self.rebuilds[i].chunks.get_mut(&chunk) else {
+            return;
+        };
+        if tags.len() != c.blocks as usize {
+            return self.rb_abort(session, "short tags answer");
+        }
+        if source {
+            c.src = Some(tags);
+        } else {
+            c.tgt = Some(tags);
+        }
+        let (Some(s), Some(t)) = (&c.src, &c.tgt) else {
+            return;
+        };
+        let diff: Vec<bool> = s
+            .iter()
+            .zip(t.iter())
+            .map(|(a, b)| match (a, b) {
+                (BlockTag::Absent, BlockTag::Absent) => false,
+                (
+                    BlockTag::Present {
+                        tag: ta, zero: za, ..
+                    },
+                    BlockTag::Present {
+                        tag: tb,
+                        zero: zb,
+                        valid: vb,
+                    },
+                ) => !(ta == tb && za == zb && *vb),
+                _ => true,
+            })
+            .collect();
+        let Some(first) = diff.iter().position(|&d| d) else {
+            self.rebuilds[i].chunks.remove(&chunk);
+            return self.rb_pump(session);
+        };
+        let last = diff.iter().rposition(|&d| d).unwrap_or(first);
+        let (layer, lba) = (c.layer, c.lba);
+        c.lba = lba + first as u64;
+        c.blocks = (last - first + 1) as u32;
+        c.diff = diff[first..=last].to_vec();
+        let req = Request::ReadLayer {
+            epoch: self.epoch,
+            layer,
+            lba: c.lba,
+            blocks: c.blocks,
+            data: true,
+        };
+        let source_r = self.rebuilds[i].source;
+        self.send(source_r, req, Ctx::RbData { session, chunk });
+    }
+
+    pub(super) fn rb_data(&mut self, session: u64, chunk: u64, resp: Response) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let Response::Layer(v) = resp else {
+            return self.rb_abort(session, "bad data answer");
+        };
+        let Some(c) = self.rebuilds[i].chunks.get(&chunk).cloned() else {
+            return;
+        };
+        if v.len() != c.blocks as usize {
+            return self.rb_abort(session, "short data answer");
+        }
+        let mut entries = Vec::with_capacity(v.len());
+        let mut copied = 0;
+        for (k, (t, d)) in v.into_iter().enumerate() {
+            if !c.diff[k] {
+                entries.push(CopyEntry::Skip);
+                continue;
+            }
+            copied += 1;
+            entries.push(match (t, d) {
+                (BlockTag::Absent, _) => CopyEntry::Absent,
+                (
+                    BlockTag::Present {
+                        tag,
+                        zero: true,
+                        valid: true,
+                    },
+                    _,
+                ) => CopyEntry::Zero(tag),
+                (
+                    BlockTag::Present {
+                        tag,
+                        zero: false,
+                        valid: true,
+                    },
+                    Some(d),
+                ) if d.len() == BLOCK_SIZE => CopyEntry::Data(tag, d),
+                _ => {
+                    // Bad copy on the source: never copy it; repair the source
+                    // from another replica and rebuild again.
+                    self.rebuilds[i].incomplete = true;
+                    let src = self.rebuilds[i].source;
+                    self.schedule_repair(src, c.layer, c.lba + k as u64);
+                    CopyEntry::Skip
+                }
+            });
+        }
+        self.status.blocks_copied += copied;
+        let target = self.rebuilds[i].target;
+        let req = Request::Copy {
+            epoch: self.epoch,
+            session,
+            layer: c.layer,
+            lba: c.lba,
+            entries,
+        };
+        self.send(target, req, Ctx::RbCopy { session, chunk });
+    }
+
+    pub(super) fn rb_end(&mut self, session: u64, resp: Response) {
+        let Some(i) = self.rb_index(session) else {
+            return;
+        };
+        let Response::Info(info) = resp else {
+            return self.rb_abort(session, "rebuild end refused");
+        };
+        let rb = self.rebuilds.remove(i);
+        let r = rb.target;
+        self.peers[r].role = Role::Active;
+        self.peers[r].info = Some(info.clone());
+        self.peers[r].acked = self.peers[r].acked.max(info.position);
+        self.status.rebuilds_done += 1;
+        info!(target = r, position = %info.position, "rebuild complete; replica active");
+        self.check_commits();
+        self.check_flushes();
+        self.pump();
+    }
+}

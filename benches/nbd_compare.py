@@ -312,6 +312,9 @@ def write_docs(table, goals, png, args):
     if png:
         section += [f"![NBD comparison]({png.relative_to(ROOT / 'docs')})", ""]
     section += [table, "", "Goals:", "", goals, "",
+                "Where the time goes (profiles) and what would close the gaps: "
+                "[frontends.md, Performance](frontends.md#performance).",
+                "",
                 "Regenerate: `python3 benches/nbd_compare.py` (add `--no-docs` to only print).",
                 ""]
     new = "\n".join(section)

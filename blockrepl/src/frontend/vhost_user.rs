@@ -445,7 +445,9 @@ impl VhostUserBlk {
             T_IN => {
                 let len = req.writable_len();
                 match offset {
-                    Some(o) if len <= MAX_DATA && len % SECTOR == 0 && range_ok(o, len) => {
+                    Some(o)
+                        if len <= MAX_DATA && len.is_multiple_of(SECTOR) && range_ok(o, len) =>
+                    {
                         Work::Read {
                             offset: o,
                             len: len as usize,
@@ -458,7 +460,9 @@ impl VhostUserBlk {
             T_OUT => {
                 let len = req.readable_len();
                 match offset {
-                    Some(o) if len <= MAX_DATA && len % SECTOR == 0 && range_ok(o, len) => {
+                    Some(o)
+                        if len <= MAX_DATA && len.is_multiple_of(SECTOR) && range_ok(o, len) =>
+                    {
                         match gather(mem, &req.readable) {
                             Some(d) => Work::Write {
                                 offset: o,
@@ -475,7 +479,7 @@ impl VhostUserBlk {
             T_DISCARD | T_WRITE_ZEROES if read_only => Work::Fail(S_IOERR),
             T_DISCARD | T_WRITE_ZEROES => {
                 let len = req.readable_len();
-                if len == 0 || len % 16 != 0 || len / 16 > MAX_RANGES as u64 {
+                if len == 0 || !len.is_multiple_of(16) || len / 16 > MAX_RANGES as u64 {
                     return Work::Fail(S_IOERR);
                 }
                 let Some(raw) = gather(mem, &req.readable) else {

@@ -894,7 +894,7 @@ pub fn decode_request(
                 return reject(errno::EOVERFLOW, "read larger than the maximum block size");
             }
             let min = e.block.min.max(1) as u64;
-            if h.offset % min != 0 || h.len as u64 % min != 0 {
+            if !h.offset.is_multiple_of(min) || !(h.len as u64).is_multiple_of(min) {
                 return reject(
                     errno::EINVAL,
                     "request not aligned to the minimum block size",

@@ -243,6 +243,10 @@ fn parse_body(
         RequestType::Flush => (Vec::new(), 0),
         RequestType::Unsupported(_) => return Err(RequestError::Unsupported),
     };
+    // Lengths are reported back in 32-bit used-ring entries.
+    if data_len >= u64::from(u32::MAX) {
+        return Err(RequestError::OutOfRange);
+    }
     match ty {
         RequestType::In | RequestType::Out => {
             if ty == RequestType::Out && disk.read_only {
@@ -323,7 +327,9 @@ fn run(
     bounce: &mut Vec<u8>,
 ) -> io::Result<u32> {
     bounce.resize(BOUNCE_SIZE, 0);
-    let mut offset = req.sector * SECTOR_SIZE;
+    // Only In/Out use the sector, and parse() bounded it by the capacity;
+    // other types may carry any value (found by the vmm_blk_request fuzzer).
+    let mut offset = req.sector.wrapping_mul(SECTOR_SIZE);
     match req.ty {
         RequestType::In => {
             let mut written = 0u32;

@@ -11,11 +11,15 @@
 //!   runtime     VmRuntime: sheaf-vmm (in process) and QEMU (NBD disks)
 //!   launcher    one process per VM (and per replica), started by the agent
 //!   agent       node agent: heartbeats, launchers, replica servers (NodeAgent)
+//!   cluster     a control plane and N nodes in one process (LocalCluster)
+//!   audit       offline epoch audit of replica stores
 //! ```
 #![warn(missing_docs)]
 
 pub mod agent;
 pub mod api;
+pub mod audit;
+pub mod cluster;
 pub mod controllers;
 pub mod launcher;
 pub mod resources;

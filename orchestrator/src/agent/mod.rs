@@ -285,10 +285,17 @@ impl NodeAgent {
             .filter_map(|l| l.pid)
             .collect();
         pids.extend(self.replica_pids());
-        for pid in pids {
+        for pid in &pids {
             // SAFETY: kill(2) with a pid this agent spawned; no memory is touched.
             unsafe {
-                libc::kill(pid as i32, libc::SIGKILL);
+                libc::kill(*pid as i32, libc::SIGKILL);
+            }
+        }
+        // Return once they are dead (zombies count: nothing runs any more).
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        for pid in pids {
+            while std::time::Instant::now() < deadline && process_running(pid) {
+                std::thread::sleep(Duration::from_millis(5));
             }
         }
         warn!(node = %self.shared.config.node_name, "node killed");
@@ -299,6 +306,18 @@ impl NodeAgent {
     pub fn shutdown(self) {
         self.stop_tasks();
         info!(node = %self.shared.config.node_name, "node agent stopped");
+    }
+}
+
+/// Whether `pid` exists and is not a zombie.
+fn process_running(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(s) => s
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
     }
 }
 

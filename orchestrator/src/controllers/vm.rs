@@ -12,9 +12,10 @@
 //! | `Halted` (`running: false`) | never | deleted |
 //!
 //! An instance that fails before it ever ran counts as a start failure;
-//! consecutive start failures back off (`CrashLoopBackOff`) per
+//! so does one that fails within 10 s of running. Consecutive start failures
+//! back off (`CrashLoopBackOff`) per
 //! [`ControlPlaneConfig::restart_backoff`](super::ControlPlaneConfig). An
-//! instance that ran and then failed (its node died, the guest crashed) is
+//! instance that ran longer, or failed because its node was lost, is
 //! restarted at once.
 
 use std::sync::Arc;
@@ -58,11 +59,38 @@ fn owned_by(vmi: &VirtualMachineInstance, vm: &VirtualMachine) -> bool {
         .any(|r| r.kind == "VirtualMachine" && r.uid == uid(vm))
 }
 
-fn ever_ran(vmi: &VirtualMachineInstance) -> bool {
-    vmi.status
-        .as_ref()
-        .and_then(|s| s.phase_transition_timestamps.as_ref())
-        .is_some_and(|t| t.iter().any(|p| p.phase == "Running"))
+/// An instance that ran shorter than this before failing counts as a
+/// start failure (crash loop).
+const MIN_HEALTHY_RUN: Duration = Duration::from_secs(10);
+
+/// Whether a failed instance counts towards the crash-loop back-off: it
+/// failed on its own (not because its node was lost) before it had run
+/// for [`MIN_HEALTHY_RUN`].
+fn start_failure(vmi: &VirtualMachineInstance) -> bool {
+    let Some(st) = vmi.status.as_ref() else {
+        return true;
+    };
+    if st.phase != Some(VmiPhase::Failed)
+        || st.reason.as_deref() == Some(super::node::NODE_UNRESPONSIVE)
+    {
+        return false;
+    }
+    let ts = st
+        .phase_transition_timestamps
+        .as_deref()
+        .unwrap_or_default();
+    let running = ts.iter().rev().find(|p| p.phase == "Running");
+    let failed = ts.iter().rev().find(|p| p.phase == "Failed");
+    match (running, failed) {
+        (Some(r), Some(f)) => {
+            let ran = f
+                .phase_transition_timestamp
+                .0
+                .duration_since(r.phase_transition_timestamp.0);
+            ran.as_secs_f64() < MIN_HEALTHY_RUN.as_secs_f64()
+        }
+        _ => true,
+    }
 }
 
 fn seconds_until(t: &crate::resources::Time) -> Option<Duration> {
@@ -243,7 +271,7 @@ impl Reconciler for VmController {
                     _ => false,
                 };
                 if restart {
-                    let failed_early = phase == Some(VmiPhase::Failed) && !ever_ran(v);
+                    let failed_early = start_failure(v);
                     let vmi_uid = uid(v).to_string();
                     let backoff = self.ctx.config.restart_backoff;
                     self.write_status(&vm, |s| {

@@ -1,0 +1,274 @@
+// SPDX-License-Identifier: Apache-2.0
+//! The launcher and the VM runtimes on their own: `sheaf-launcher vm` with
+//! sheaf-vmm (probe guest on /dev/kvm) and with QEMU (a Debian kernel under
+//! TCG, disk over NBD), each on a 3-replica volume served by
+//! `sheaf-launcher replica` processes; and the control socket (status
+//! lines, Stop).
+#![allow(clippy::unwrap_used)]
+
+mod cluster_common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cluster_common::{acks, kvm_available, log_block, valid_record};
+use sheaf_blockrepl::net::Secret;
+use sheaf_blockrepl::volume::{Volume, VolumeConfig};
+use sheaf_orchestrator::cluster::ensure_secret;
+use sheaf_orchestrator::launcher::{LaunchDisk, LaunchSpec, LauncherPhase, LauncherStatus};
+use sheaf_orchestrator::runtime::VmSpec;
+
+const LAUNCHER: &str = env!("CARGO_BIN_EXE_sheaf-launcher");
+
+struct Replicas {
+    children: Vec<Child>,
+    addrs: Vec<SocketAddr>,
+    secret_file: PathBuf,
+    secret: Secret,
+}
+
+impl Drop for Replicas {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn replicas(dir: &Path, n: usize, size: u64) -> Replicas {
+    let secret_file = dir.join("secret");
+    let secret = ensure_secret(&secret_file).unwrap();
+    let mut children = Vec::new();
+    let mut addrs = Vec::new();
+    for i in 0..n {
+        let mut c = Command::new(LAUNCHER)
+            .args([
+                "replica",
+                "--listen",
+                "127.0.0.1:0",
+                "--create-size",
+                &size.to_string(),
+            ])
+            .arg("--dir")
+            .arg(dir.join(format!("r{i}")))
+            .arg("--secret-file")
+            .arg(&secret_file)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(c.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        addrs.push(
+            line.trim()
+                .strip_prefix("listening on ")
+                .unwrap()
+                .parse()
+                .unwrap(),
+        );
+        children.push(c);
+    }
+    Replicas {
+        children,
+        addrs,
+        secret_file,
+        secret,
+    }
+}
+
+fn spec(dir: &Path, r: &Replicas, runtime: &str, vm: VmSpec, epoch: u64) -> LaunchSpec {
+    let ldir = dir.join("launcher");
+    std::fs::create_dir_all(&ldir).unwrap();
+    LaunchSpec {
+        instance: "default/test".into(),
+        uid: "uid-1".into(),
+        runtime: runtime.into(),
+        vm,
+        disks: vec![LaunchDisk {
+            name: "root".into(),
+            volume: "default/vol".into(),
+            serial: "sheaf-root".into(),
+            replicas: r.addrs.clone(),
+            epoch,
+            min_write_replicas: None,
+            read_only: false,
+        }],
+        secret_file: Some(r.secret_file.clone()),
+        dir: ldir,
+    }
+}
+
+fn launch(spec: &LaunchSpec) -> Child {
+    let path = spec.dir.join("spec.json");
+    std::fs::write(&path, serde_json::to_vec(spec).unwrap()).unwrap();
+    Command::new(LAUNCHER)
+        .arg("vm")
+        .arg("--spec")
+        .arg(&path)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(spec.dir.join("launcher.log")).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+fn wait_exit(c: &mut Child, timeout: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            return st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "launcher did not exit within {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+async fn attach(r: &Replicas, min_epoch: u64) -> Volume {
+    let mut cfg = VolumeConfig::remote(&r.addrs, r.secret.clone());
+    cfg.min_epoch = min_epoch;
+    Volume::attach(cfg).await.unwrap()
+}
+
+fn probe_vm(args: &str) -> VmSpec {
+    VmSpec {
+        name: "probe".into(),
+        vcpus: 1,
+        memory_mib: 32,
+        kernel: sheaf_vmm::probe::elf_path().to_path_buf(),
+        initramfs: None,
+        cmdline: format!("console=ttyS0 {args}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sheaf_vmm_launcher_writes_through_the_granted_epoch() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let r = replicas(tmp.path(), 3, 8 << 20);
+    let s = spec(
+        tmp.path(),
+        &r,
+        "sheaf-vmm",
+        probe_vm("probe.need_disk=1 probe.log=8"),
+        7,
+    );
+    let mut c = launch(&s);
+    let st = wait_exit(&mut c, Duration::from_secs(60));
+    let console = std::fs::read_to_string(s.dir.join("console.log")).unwrap_or_default();
+    assert!(st.success(), "launcher failed: {console}");
+    assert!(console.contains("virtio: id sheaf-root"), "{console}");
+    assert_eq!(acks(&console), (0..8).collect::<Vec<_>>());
+    let status = LauncherStatus::load(&s.dir).unwrap();
+    assert_eq!(status.phase, LauncherPhase::Exited);
+    assert!(status.exit.as_ref().unwrap().success);
+    assert!(
+        status.disks[0].epoch >= 7,
+        "engine epoch {} below the grant",
+        status.disks[0].epoch
+    );
+    assert!(status.disks[0].active.len() >= 2, "{:?}", status.disks);
+    // A later engine reads every record from the replicas.
+    let v = attach(&r, status.disks[0].epoch).await;
+    for k in 0..8 {
+        let b = v.read(log_block(k) * 4096, 4096).await.unwrap();
+        assert!(valid_record(&b, k), "record {k}");
+    }
+    v.detach().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_socket_reports_status_and_stops_the_vm() {
+    if !kvm_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let r = replicas(tmp.path(), 3, 4 << 20);
+    let s = spec(tmp.path(), &r, "sheaf-vmm", probe_vm("probe.halt=1"), 1);
+    let mut c = launch(&s);
+    let sock = s.dir.join("control.sock");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let stream = loop {
+        match std::os::unix::net::UnixStream::connect(&sock) {
+            Ok(st) => break st,
+            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("no control socket: {e}"),
+        }
+    };
+    let mut w = stream.try_clone().unwrap();
+    let mut lines = BufReader::new(stream).lines();
+    let mut phases = Vec::new();
+    for l in lines.by_ref() {
+        let st: LauncherStatus = serde_json::from_str(&l.unwrap()).unwrap();
+        phases.push(st.phase);
+        if st.phase == LauncherPhase::Running {
+            w.write_all(b"\"Stop\"\n").unwrap();
+        }
+        if st.phase == LauncherPhase::Exited {
+            assert!(!st.exit.as_ref().unwrap().success);
+            assert!(st.exit.unwrap().reason.starts_with("stopped"));
+            break;
+        }
+    }
+    assert!(phases.contains(&LauncherPhase::Running), "{phases:?}");
+    assert_eq!(phases.last(), Some(&LauncherPhase::Exited));
+    assert!(!wait_exit(&mut c, Duration::from_secs(30)).success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_launcher_boots_linux_on_a_replicated_volume() {
+    if sheaf_testkit::skip_slow("qemu_launcher_boots_linux_on_a_replicated_volume") {
+        return;
+    }
+    if sheaf_testkit::which("qemu-system-x86_64").is_none() {
+        eprintln!("SKIP: qemu-system-x86_64 not installed (scripts/setup)");
+        return;
+    }
+    let image = match sheaf_testkit::guest::GuestImage::build() {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("SKIP: no guest image: {e}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let r = replicas(tmp.path(), 3, 16 << 20);
+    // The host writes the marker through the volume first (epoch 1).
+    let v = attach(&r, 0).await;
+    let mut block = b"SHEAF-MARKER:nbd-qemu\n".to_vec();
+    block.resize(4096, 0);
+    v.write(0, block.into()).await.unwrap();
+    v.detach().await.unwrap();
+    let vm = VmSpec {
+        name: "linux".into(),
+        vcpus: 1,
+        memory_mib: 256,
+        kernel: image.kernel.clone(),
+        initramfs: Some(image.initramfs.clone()),
+        cmdline: sheaf_testkit::guest::DEFAULT_CMDLINE.into(),
+    };
+    let s = spec(tmp.path(), &r, "qemu", vm, 5);
+    let mut c = launch(&s);
+    let st = wait_exit(&mut c, Duration::from_secs(240));
+    let console = std::fs::read_to_string(s.dir.join("console.log")).unwrap_or_default();
+    let report = sheaf_testkit::guest::parse_console(&console);
+    assert!(st.success(), "{console}");
+    assert!(report.ok, "{console}");
+    assert_eq!(report.marker.as_deref(), Some("nbd-qemu"));
+    let status = LauncherStatus::load(&s.dir).unwrap();
+    assert!(status.disks[0].epoch >= 5);
+    // The guest's reply is on the volume.
+    let v = attach(&r, status.disks[0].epoch).await;
+    let b = v.read(4096, 4096).await.unwrap();
+    assert!(b.starts_with(b"SHEAF-REPLY:nbd-qemu\n"), "{:?}", &b[..32]);
+    v.detach().await.unwrap();
+}

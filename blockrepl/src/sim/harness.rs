@@ -667,7 +667,11 @@ impl Sim {
             // only flushed writes must survive. Legitimate only after a
             // power loss.
             self.engines[g].lost_seen = lost;
-            tracing::info!(eg, era = self.era + 1, "engine reported lost unflushed writes");
+            tracing::info!(
+                eg,
+                era = self.era + 1,
+                "engine reported lost unflushed writes"
+            );
             if self.power_losses == 0 {
                 self.run_violations.push(format!(
                     "engine {eg} reported lost unflushed writes without any power loss"
@@ -983,7 +987,10 @@ impl Sim {
         if let Some(hi) = self.run_op(OpKind::Flush, ClientOp::Scrub)
             && self.history[hi].complete.is_none()
         {
-            let why = self.final_error.take().unwrap_or_else(|| "timed out".into());
+            let why = self
+                .final_error
+                .take()
+                .unwrap_or_else(|| "timed out".into());
             report
                 .violations
                 .push(format!("final scrub did not complete: {why}"));
@@ -1000,7 +1007,10 @@ impl Sim {
                 ClientOp::Read { lba, blocks: 1 },
             );
             if hi.is_none_or(|h| self.history[h].complete.is_none()) {
-                let why = self.final_error.take().unwrap_or_else(|| "timed out".into());
+                let why = self
+                    .final_error
+                    .take()
+                    .unwrap_or_else(|| "timed out".into());
                 report
                     .violations
                     .push(format!("final read of block {lba} failed: {why}"));

@@ -126,8 +126,8 @@ impl Superblock {
                 w.put(name)?;
             }
             w.u64(self.boot_id)?;
-            let flags = if self.open { SB_OPEN } else { 0 }
-                | if self.recovered { SB_RECOVERED } else { 0 };
+            let flags =
+                if self.open { SB_OPEN } else { 0 } | if self.recovered { SB_RECOVERED } else { 0 };
             w.put(&[flags])?;
         }
         let crc = crc32c::crc32c(&buf[12..]);

@@ -139,7 +139,7 @@ async fn kill_and_stop_replica_processes_mid_write() {
                     complete: ok.then(now),
                     era: 0,
                 });
-                if seq % 7 == 0 {
+                if seq.is_multiple_of(7) {
                     let inv = now();
                     let r =
                         tokio::time::timeout(Duration::from_secs(5), vol.read(lba * 4096, 4096))
@@ -156,7 +156,7 @@ async fn kill_and_stop_replica_processes_mid_write() {
                         });
                     }
                 }
-                if seq % 25 == 0 {
+                if seq.is_multiple_of(25) {
                     let inv = now();
                     let ok = matches!(
                         tokio::time::timeout(Duration::from_secs(5), vol.flush()).await,

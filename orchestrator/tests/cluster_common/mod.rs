@@ -43,7 +43,7 @@ pub async fn start_cluster(dir: &Path, nodes: usize) -> LocalCluster {
             "",
             &n,
             Duration::from_secs(20),
-            |o| ready(o),
+            ready,
         )
         .await;
     }

@@ -147,8 +147,6 @@ impl LocalCluster {
     pub async fn start(config: LocalClusterConfig) -> Result<LocalCluster, ClusterError> {
         std::fs::create_dir_all(&config.data_dir)
             .map_err(|e| setup("data directory")(e.to_string()))?;
-        let secret_file = config.data_dir.join("secret");
-        let secret = ensure_secret(&secret_file)?;
         let store: Arc<dyn Store> = match config.store {
             StoreKind::Memory => Arc::new(MemoryStore::new()),
             StoreKind::Redb => Arc::new(
@@ -156,6 +154,20 @@ impl LocalCluster {
                     .map_err(|e| setup("store")(e.to_string()))?,
             ),
         };
+        Self::start_with_store(config, store).await
+    }
+
+    /// Starts the control plane and every node on a given store (for
+    /// example a `KubeStore` talking to a Kubernetes API server);
+    /// `config.store` is ignored.
+    pub async fn start_with_store(
+        config: LocalClusterConfig,
+        store: Arc<dyn Store>,
+    ) -> Result<LocalCluster, ClusterError> {
+        std::fs::create_dir_all(&config.data_dir)
+            .map_err(|e| setup("data directory")(e.to_string()))?;
+        let secret_file = config.data_dir.join("secret");
+        let secret = ensure_secret(&secret_file)?;
         let mut control = config.control.clone();
         control.replication_secret = Some(secret);
         let cp = ControlPlane::start(control, store.clone()).await?;

@@ -229,6 +229,39 @@ impl FieldSelector {
     }
 }
 
+impl std::fmt::Display for LabelSelector {
+    /// The selector in Kubernetes syntax; [`LabelSelector::parse`] reads it back.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (k, op)) in self.reqs.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            match op {
+                Op::Eq(v) => write!(f, "{k}={v}")?,
+                Op::NotEq(v) => write!(f, "{k}!={v}")?,
+                Op::In(vs) => write!(f, "{k} in ({})", vs.join(","))?,
+                Op::NotIn(vs) => write!(f, "{k} notin ({})", vs.join(","))?,
+                Op::Exists => f.write_str(k)?,
+                Op::NotExists => write!(f, "!{k}")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for FieldSelector {
+    /// The selector in Kubernetes syntax; [`FieldSelector::parse`] reads it back.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (path, eq, v)) in self.reqs.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{path}{}{v}", if *eq { "=" } else { "!=" })?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,5 +331,19 @@ mod tests {
         );
         assert!(FieldSelector::parse("status.phase=").unwrap().matches(&obj));
         assert!(FieldSelector::parse("nonsense").is_err());
+    }
+
+    #[test]
+    fn selectors_print_back_to_what_they_parse_from() {
+        for text in [
+            "",
+            "app=web,tier in (a,b),!legacy,env!=prod,x notin (y),has",
+        ] {
+            let l = LabelSelector::parse(text).unwrap();
+            assert_eq!(LabelSelector::parse(&l.to_string()).unwrap(), l);
+        }
+        let f = FieldSelector::parse("status.nodeName=n1,metadata.name!=x").unwrap();
+        assert_eq!(f.to_string(), "status.nodeName=n1,metadata.name!=x");
+        assert_eq!(FieldSelector::parse(&f.to_string()).unwrap(), f);
     }
 }

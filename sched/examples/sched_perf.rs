@@ -75,6 +75,9 @@ struct Stats {
     /// Per-decision wall time (ns).
     wall_lat: Vec<u32>,
     extra: Vec<String>,
+    /// FNV-1a over the chosen nodes and victims, in order: optimizations
+    /// must not change it (printed to stderr).
+    digest: u64,
 }
 
 impl Stats {
@@ -102,6 +105,13 @@ impl Stats {
         for e in &self.extra {
             println!("{e}");
         }
+        eprintln!("digest {} {:016x}", self.name, self.digest);
+    }
+}
+
+fn fnv(h: &mut u64, bytes: &[u8]) {
+    for &b in bytes.iter().chain(b"/") {
+        *h = (*h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
     }
 }
 
@@ -121,6 +131,7 @@ fn measure(
         lat: Vec::new(),
         wall_lat: Vec::new(),
         extra: Vec::new(),
+        digest: 0xcbf2_9ce4_8422_2325,
     };
     let reqs: Vec<Request> = reqs.collect();
     if latencies {
@@ -132,8 +143,17 @@ fn measure(
     for r in &reqs {
         let t = latencies.then(|| (Instant::now(), thread_cpu_ns()));
         match sched.schedule(snap, r) {
-            Ok(_) => s.placed += 1,
-            Err(_) => s.failed += 1,
+            Ok(p) => {
+                s.placed += 1;
+                fnv(&mut s.digest, p.node.as_bytes());
+                for v in &p.victims {
+                    fnv(&mut s.digest, v.as_bytes());
+                }
+            }
+            Err(_) => {
+                s.failed += 1;
+                fnv(&mut s.digest, b"-");
+            }
         }
         if let Some((t, c)) = t {
             s.lat

@@ -293,6 +293,42 @@ pub trait FilterPlugin: Send + Sync {
     /// `Ok` if the node passes. Must read node state from `node` (during
     /// preemption it is a modified copy) and per-request state from `state`.
     fn filter(&self, cx: &Ctx<'_>, state: &CycleState, node: &NodeInfo) -> Result<(), Reason>;
+
+    /// Filters a batch of the snapshot's nodes (`slots`, in scan order): for
+    /// each `i` with `out[i] == None` (still passing), sets `out[i]` to the
+    /// reason `slots[i]` fails, and leaves entries already `Some` alone. Must
+    /// give the same answers as [`filter`](Self::filter) on
+    /// `cx.snapshot.node_at(slot)`. The scheduler calls this in its main
+    /// loop (preemption calls `filter` on modified copies); the default
+    /// calls `filter` per node. Built-ins override it to read their cycle
+    /// state once per batch instead of once per node.
+    fn filter_batch(
+        &self,
+        cx: &Ctx<'_>,
+        state: &CycleState,
+        slots: &[u32],
+        out: &mut [Option<Reason>],
+    ) {
+        for_pending(cx.snapshot, slots, out, |n| self.filter(cx, state, n));
+    }
+}
+
+/// Runs `check` on the nodes of `slots` whose `out` entry is still `None`,
+/// recording failures (the loop behind [`FilterPlugin::filter_batch`]).
+#[inline]
+pub(crate) fn for_pending(
+    snap: &ClusterSnapshot,
+    slots: &[u32],
+    out: &mut [Option<Reason>],
+    mut check: impl FnMut(&NodeInfo) -> Result<(), Reason>,
+) {
+    for (&s, r) in slots.iter().zip(out.iter_mut()) {
+        if r.is_none()
+            && let Err(e) = check(&snap.nodes[s as usize])
+        {
+            *r = Some(e);
+        }
+    }
 }
 
 /// The active filters of a cycle, handed to post-filter plugins so they can
@@ -378,6 +414,26 @@ pub trait PreScorePlugin: Send + Sync {
 pub trait ScorePlugin: Send + Sync {
     /// Raw score of `node`.
     fn score(&self, cx: &Ctx<'_>, state: &CycleState, node: &NodeInfo) -> i64;
+
+    /// True when [`score`](Self::score) depends only on the request's
+    /// `resources`, the node's allocatable, requested and VM-count state and
+    /// the plugin's own fixed configuration (not on labels, other VMs or the
+    /// cycle state). The scheduler then keeps each node's raw score and
+    /// reuses it until the node's resources change or a request with other
+    /// resources comes. `NodeResourcesFit` and `BalancedAllocation` say so.
+    fn resources_only(&self) -> bool {
+        false
+    }
+
+    /// Raw scores of the snapshot's nodes `slots` into `out` (same length);
+    /// must equal [`score`](Self::score) per node. The default calls `score`
+    /// per node; built-ins override it to read their state once.
+    fn score_batch(&self, cx: &Ctx<'_>, state: &CycleState, slots: &[u32], out: &mut [i64]) {
+        let nodes = &cx.snapshot.nodes;
+        for (&s, o) in slots.iter().zip(out.iter_mut()) {
+            *o = self.score(cx, state, &nodes[s as usize]);
+        }
+    }
 
     /// Maps raw scores (in feasible-node order) to `0..=MAX_NODE_SCORE`. The
     /// default leaves them as they are (for plugins that already score so).

@@ -12,7 +12,7 @@ use crate::framework::{
 use crate::intern::{Labels, Sym};
 use crate::plugins::ResourceFitArgs;
 use crate::snapshot::ClusterSnapshot;
-use crate::types::{Placement, Request};
+use crate::types::{Placement, Request, Resources};
 
 /// Places VMs (and volume replicas) on the nodes of a [`ClusterSnapshot`].
 ///
@@ -31,10 +31,20 @@ pub struct Scheduler {
 
 #[derive(Debug, Default)]
 struct Scratch {
+    /// Node slots of the batch being filtered, and their results.
+    chunk: Vec<u32>,
+    results: Vec<Option<Reason>>,
     feasible: Vec<u32>,
     failed: Vec<(u32, Reason)>,
     scores: Vec<i64>,
     totals: Vec<i64>,
+    /// Raw-score caches of `resources_only` scorers, by profile and plugin
+    /// position.
+    caches: Vec<Vec<ScoreCache>>,
+    /// Cache misses of one batch: slots, their positions, their scores.
+    miss_slots: Vec<u32>,
+    miss_at: Vec<usize>,
+    miss_scores: Vec<i64>,
     state: CycleState,
 }
 
@@ -351,36 +361,25 @@ impl Scheduler {
         let mut evaluated = 0usize;
         if slots > 0 {
             let start = *next_start % slots;
-            let mut visit = |s: u32| -> bool {
-                let node = &snap.nodes[s as usize];
-                if !node.alive {
-                    return false;
-                }
-                evaluated += 1;
-                match chain.run(&cx, &state, node) {
-                    Ok(()) => {
-                        feasible.push(s);
-                        feasible.len() >= to_find
-                    }
-                    Err(r) => {
-                        failed.push((s, r));
-                        false
-                    }
-                }
+            let mut run = FilterRun {
+                snap,
+                cx: &cx,
+                state: &state,
+                filters: &filters,
+                to_find,
+                feasible,
+                failed,
+                chunk: &mut scratch.chunk,
+                results: &mut scratch.results,
             };
             // Visit [start, end) then [0, start) without a division per node.
-            match candidates {
-                None => {
-                    let _ = (start..slots).chain(0..start).any(|s| visit(s as u32));
-                }
+            evaluated = match candidates {
+                None => run.run((start..slots).chain(0..start).map(|s| s as u32)),
                 Some(list) => {
                     let first = list.partition_point(|&s| (s as usize) < start);
-                    let _ = list[first..]
-                        .iter()
-                        .chain(&list[..first])
-                        .any(|&s| visit(s));
+                    run.run(list[first..].iter().chain(&list[..first]).copied())
                 }
-            }
+            };
             *next_start = (start + evaluated) % slots;
         }
 
@@ -449,8 +448,16 @@ impl Scheduler {
         let (best, best_score) = if nf == 1 {
             (feasible[0], 0)
         } else {
-            let mut scorers: Vec<(&dyn ScorePlugin, i64)> = Vec::new();
-            for r in &profile.plugins {
+            let mut scorers: Vec<(&dyn ScorePlugin, i64, Option<usize>)> = Vec::new();
+            let caches = &mut scratch.caches;
+            if caches.len() < profiles.len() {
+                caches.resize_with(profiles.len(), Vec::new);
+            }
+            let caches = &mut caches[pi];
+            if caches.len() < profile.plugins.len() {
+                caches.resize_with(profile.plugins.len(), ScoreCache::default);
+            }
+            for (pos, r) in profile.plugins.iter().enumerate() {
                 if r.weight == 0 {
                     continue;
                 }
@@ -462,20 +469,41 @@ impl Scheduler {
                 {
                     continue;
                 }
-                scorers.push((s, r.weight));
+                let cache = s.resources_only().then(|| {
+                    caches[pos].begin(req.resources, snap.nodes.len());
+                    pos
+                });
+                scorers.push((s, r.weight, cache));
             }
             let totals = &mut scratch.totals;
             totals.clear();
             totals.resize(nf, 0);
+            // Raw scores, one row per scorer, filled a batch of nodes at a
+            // time so each node is loaded once for all scorers.
             let scores = &mut scratch.scores;
             scores.clear();
-            scores.resize(nf, 0);
-            for (s, w) in &scorers {
-                for (i, &slot) in feasible.iter().enumerate() {
-                    scores[i] = s.score(&cx, &state, &snap.nodes[slot as usize]);
+            scores.resize(nf * scorers.len(), 0);
+            for (b, batch) in feasible.chunks(SCORE_BATCH).enumerate() {
+                let at = b * SCORE_BATCH;
+                for (k, (s, _, cache)) in scorers.iter().enumerate() {
+                    let row = k * nf + at;
+                    let out = &mut scores[row..row + batch.len()];
+                    match cache {
+                        None => s.score_batch(&cx, &state, batch, out),
+                        Some(c) => {
+                            let misses = Misses {
+                                slots: &mut scratch.miss_slots,
+                                at: &mut scratch.miss_at,
+                                scores: &mut scratch.miss_scores,
+                            };
+                            caches[*c].score_batch(*s, &cx, &state, batch, out, misses);
+                        }
+                    }
                 }
-                s.normalize(&cx, &state, scores);
-                for (t, v) in totals.iter_mut().zip(scores.iter()) {
+            }
+            for (row, (s, w, _)) in scores.chunks_mut(nf).zip(&scorers) {
+                s.normalize(&cx, &state, row);
+                for (t, v) in totals.iter_mut().zip(row.iter()) {
                     *t = t.saturating_add(w.saturating_mul(*v));
                 }
             }
@@ -495,6 +523,145 @@ impl Scheduler {
             feasible_nodes: nf as u32,
         };
         finish(profile, &cx, state, pi, best, placement)
+    }
+}
+
+/// Raw scores of one `resources_only` scorer, per node slot, valid while
+/// the node's stamp and the request's resources are unchanged.
+#[derive(Debug, Default)]
+struct ScoreCache {
+    /// Resources of the requests the current epoch's entries were scored for.
+    want: Resources,
+    /// Bumped whenever `want` changes (entries of older epochs are stale).
+    epoch: u64,
+    entries: Vec<CacheEntry>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct CacheEntry {
+    /// Node stamp scored (0 = empty; stamps are never 0).
+    stamp: u64,
+    epoch: u64,
+    score: i64,
+}
+
+/// Scratch buffers for a batch's cache misses.
+struct Misses<'a> {
+    slots: &'a mut Vec<u32>,
+    at: &'a mut Vec<usize>,
+    scores: &'a mut Vec<i64>,
+}
+
+impl ScoreCache {
+    /// Starts a cycle scoring a request for `want` on `slots` node slots.
+    fn begin(&mut self, want: Resources, slots: usize) {
+        if want != self.want || self.epoch == 0 {
+            self.want = want;
+            self.epoch += 1;
+        }
+        if self.entries.len() < slots {
+            self.entries.resize(slots, CacheEntry::default());
+        }
+    }
+
+    /// `s.score_batch` through the cache: hits are copied, misses scored
+    /// in one batch and remembered.
+    fn score_batch(
+        &mut self,
+        s: &dyn ScorePlugin,
+        cx: &Ctx<'_>,
+        state: &CycleState,
+        batch: &[u32],
+        out: &mut [i64],
+        m: Misses<'_>,
+    ) {
+        m.slots.clear();
+        m.at.clear();
+        let nodes = &cx.snapshot.nodes;
+        for (i, (&slot, o)) in batch.iter().zip(out.iter_mut()).enumerate() {
+            let e = &self.entries[slot as usize];
+            if e.stamp == nodes[slot as usize].stamp && e.epoch == self.epoch {
+                *o = e.score;
+            } else {
+                m.slots.push(slot);
+                m.at.push(i);
+            }
+        }
+        if m.slots.is_empty() {
+            return;
+        }
+        m.scores.clear();
+        m.scores.resize(m.slots.len(), 0);
+        s.score_batch(cx, state, m.slots, m.scores);
+        for ((&slot, &i), &v) in m.slots.iter().zip(m.at.iter()).zip(m.scores.iter()) {
+            out[i] = v;
+            self.entries[slot as usize] = CacheEntry {
+                stamp: nodes[slot as usize].stamp,
+                epoch: self.epoch,
+                score: v,
+            };
+        }
+    }
+}
+
+/// Nodes scored per [`ScorePlugin::score_batch`] call.
+const SCORE_BATCH: usize = 64;
+/// Largest batch of nodes handed to [`FilterPlugin::filter_batch`].
+const FILTER_BATCH: usize = 64;
+/// Smallest batch while more feasible nodes are wanted (a few nodes past the
+/// last one needed may be filtered; their results are dropped).
+const FILTER_BATCH_MIN: usize = 16;
+
+/// The filter phase of one cycle: visits nodes in scan order, in batches,
+/// until `to_find` are feasible.
+struct FilterRun<'a, 'c> {
+    snap: &'a ClusterSnapshot,
+    cx: &'a Ctx<'c>,
+    state: &'a CycleState,
+    filters: &'a [&'a dyn FilterPlugin],
+    to_find: usize,
+    feasible: &'a mut Vec<u32>,
+    failed: &'a mut Vec<(u32, Reason)>,
+    chunk: &'a mut Vec<u32>,
+    results: &'a mut Vec<Option<Reason>>,
+}
+
+impl FilterRun<'_, '_> {
+    /// Filters the live nodes of `order` and returns how many were
+    /// evaluated. Results are exactly those of filtering one node at a time
+    /// and stopping at the `to_find`-th feasible node: a batch never runs
+    /// past that node by more than `FILTER_BATCH_MIN`, and what it
+    /// evaluated beyond it is discarded.
+    fn run(&mut self, order: impl Iterator<Item = u32>) -> usize {
+        let nodes = &self.snap.nodes;
+        let mut order = order.filter(|&s| nodes[s as usize].alive);
+        let mut evaluated = 0;
+        while self.feasible.len() < self.to_find {
+            let want = (self.to_find - self.feasible.len()).clamp(FILTER_BATCH_MIN, FILTER_BATCH);
+            self.chunk.clear();
+            self.chunk.extend(order.by_ref().take(want));
+            if self.chunk.is_empty() {
+                break;
+            }
+            self.results.clear();
+            self.results.resize(self.chunk.len(), None);
+            for f in self.filters {
+                f.filter_batch(self.cx, self.state, self.chunk, self.results);
+            }
+            for (&s, r) in self.chunk.iter().zip(self.results.drain(..)) {
+                evaluated += 1;
+                match r {
+                    None => {
+                        self.feasible.push(s);
+                        if self.feasible.len() >= self.to_find {
+                            break;
+                        }
+                    }
+                    Some(r) => self.failed.push((s, r)),
+                }
+            }
+        }
+        evaluated
     }
 }
 

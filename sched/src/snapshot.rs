@@ -22,6 +22,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{SchedError, SchedResult};
 use crate::intern::{Interner, Labels, Sym, intern_labels, label_value};
@@ -32,6 +33,13 @@ use crate::types::{
 
 /// Domain id meaning "the node does not have this label".
 pub(crate) const NO_DOMAIN: u32 = u32::MAX;
+
+static NEXT_STAMP: AtomicU64 = AtomicU64::new(1);
+
+/// A process-wide unique, never-zero stamp for a node's resource state.
+fn new_stamp() -> u64 {
+    NEXT_STAMP.fetch_add(1, Ordering::Relaxed)
+}
 
 /// A taint with interned key and value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +66,11 @@ pub struct NodeInfo {
     /// instead of dividing per node.
     pub(crate) inv_allocatable: (f64, f64),
     pub(crate) requested: Resources,
+    /// Changes (to a process-wide unique value) whenever `requested`,
+    /// `allocatable`, `vm_count` or `max_vms` change, so scores that depend
+    /// only on those can be cached per node (see
+    /// [`ScorePlugin::resources_only`](crate::framework::ScorePlugin::resources_only)).
+    pub(crate) stamp: u64,
     /// Shared so that preemption's per-candidate copies are cheap.
     pub(crate) taints: Arc<[TaintInfo]>,
     /// Shared so that preemption's per-candidate copies are cheap.
@@ -116,6 +129,7 @@ impl NodeInfo {
     pub(crate) fn remove_vm_usage(&mut self, vm: &VmInfo) {
         self.requested = self.requested.saturating_sub(vm.resources);
         self.vm_count = self.vm_count.saturating_sub(1);
+        self.stamp = new_stamp();
         if let Some(i) = self.vms.iter().position(|&v| v == vm.id) {
             self.vms.swap_remove(i);
         }
@@ -124,6 +138,7 @@ impl NodeInfo {
     pub(crate) fn add_vm_usage(&mut self, vm: &VmInfo) {
         self.requested = self.requested.saturating_add(vm.resources);
         self.vm_count += 1;
+        self.stamp = new_stamp();
         self.vms.push(vm.id);
     }
 }
@@ -306,6 +321,7 @@ impl ClusterSnapshot {
                     allocatable: Resources::default(),
                     inv_allocatable: (0.0, 0.0),
                     requested: Resources::default(),
+                    stamp: 0,
                     taints: Arc::from([]),
                     labels: Arc::from([]),
                     zone: None,
@@ -324,6 +340,7 @@ impl ClusterSnapshot {
         info.alive = true;
         info.vm_count = 0;
         info.requested = Resources::default();
+        info.stamp = new_stamp();
         info.vms.clear();
         self.attach_spec(slot, node);
         Ok(())
@@ -614,6 +631,7 @@ impl ClusterSnapshot {
         n.unschedulable = node.unschedulable;
         n.max_vms = node.max_vms;
         n.allocatable = node.allocatable_resources();
+        n.stamp = new_stamp();
         let inv = |v: u64| if v == 0 { 0.0 } else { 1.0 / v as f64 };
         n.inv_allocatable = (
             inv(n.allocatable.cpu_millis),

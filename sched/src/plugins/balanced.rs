@@ -4,6 +4,7 @@
 use crate::framework::{Ctx, CycleState, MAX_NODE_SCORE, Plugin, ScorePlugin};
 use crate::plugins::scaled_fraction;
 use crate::snapshot::NodeInfo;
+use crate::types::Resources;
 
 /// Scores `(1 - std_dev(cpu_fraction, memory_fraction)) * 100` after placing
 /// the VM, like Kubernetes' NodeResourcesBalancedAllocation.
@@ -27,21 +28,37 @@ impl Plugin for BalancedAllocation {
 impl ScorePlugin for BalancedAllocation {
     #[inline]
     fn score(&self, cx: &Ctx<'_>, _: &CycleState, node: &NodeInfo) -> i64 {
-        let after = node.requested.saturating_add(cx.request.resources);
-        let (ic, im) = node.inv_allocatable;
-        let permille = |used: u64, cap: u64, inv: f64| {
-            if cap == 0 {
-                1000
-            } else {
-                scaled_fraction(used, cap, inv, 1000.0).min(1000)
-            }
-        };
-        let c = permille(after.cpu_millis, node.allocatable.cpu_millis, ic);
-        let m = permille(after.memory_bytes, node.allocatable.memory_bytes, im);
-        // Two values: std dev = |c - m| / 2 (in permille).
-        let std = (c - m).abs() / 2;
-        (1000 - std) * MAX_NODE_SCORE / 1000
+        balance(cx.request.resources, node)
     }
+
+    fn resources_only(&self) -> bool {
+        true
+    }
+
+    fn score_batch(&self, cx: &Ctx<'_>, _: &CycleState, slots: &[u32], out: &mut [i64]) {
+        let (want, nodes) = (cx.request.resources, &cx.snapshot.nodes);
+        for (&s, o) in slots.iter().zip(out.iter_mut()) {
+            *o = balance(want, &nodes[s as usize]);
+        }
+    }
+}
+
+#[inline]
+fn balance(want: Resources, node: &NodeInfo) -> i64 {
+    let after = node.requested.saturating_add(want);
+    let (ic, im) = node.inv_allocatable;
+    let permille = |used: u64, cap: u64, inv: f64| {
+        if cap == 0 {
+            1000
+        } else {
+            scaled_fraction(used, cap, inv, 1000.0).min(1000)
+        }
+    };
+    let c = permille(after.cpu_millis, node.allocatable.cpu_millis, ic);
+    let m = permille(after.memory_bytes, node.allocatable.memory_bytes, im);
+    // Two values: std dev = |c - m| / 2 (in permille).
+    let std = (c - m).abs() / 2;
+    (1000 - std) * MAX_NODE_SCORE / 1000
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 
 use crate::framework::{
     Ctx, CycleState, FilterPlugin, MAX_NODE_SCORE, Plugin, PreFilterPlugin, PreFilterResult,
-    PreScorePlugin, PreScoreResult, Reason, ScorePlugin, min_max_normalize,
+    PreScorePlugin, PreScoreResult, Reason, ScorePlugin, for_pending, min_max_normalize,
 };
 use crate::plugins::{DomainCounts, column_for, count_matching, domain_counts_of_nodes};
 use crate::selector::{CSelector, matches_map};
@@ -95,6 +95,16 @@ struct FilterState {
 
 #[derive(Clone, Debug, Default)]
 struct ScoreState(Vec<TermCounts>);
+
+impl ScoreState {
+    #[inline]
+    fn score(&self, snap: &ClusterSnapshot, slot: u32) -> i64 {
+        self.0
+            .iter()
+            .map(|t| t.weight * i64::from(t.at(snap, slot).unwrap_or(0)))
+            .sum()
+    }
+}
 
 impl Plugin for InterVmAffinity {
     fn name(&self) -> &str {
@@ -210,24 +220,44 @@ fn update(cx: &Ctx<'_>, state: &mut CycleState, vm: &VmInfo, node: &NodeInfo, ad
 
 impl FilterPlugin for InterVmAffinity {
     fn filter(&self, cx: &Ctx<'_>, state: &CycleState, node: &NodeInfo) -> Result<(), Reason> {
+        match state.read::<FilterState>() {
+            Some(st) => st.check(cx.snapshot, node.slot),
+            None => Ok(()),
+        }
+    }
+
+    fn filter_batch(
+        &self,
+        cx: &Ctx<'_>,
+        state: &CycleState,
+        slots: &[u32],
+        out: &mut [Option<Reason>],
+    ) {
         let Some(st) = state.read::<FilterState>() else {
-            return Ok(());
+            return;
         };
         let snap = cx.snapshot;
-        for t in &st.existing {
-            if t.at(snap, node.slot).unwrap_or(0) > 0 {
+        for_pending(snap, slots, out, |n| st.check(snap, n.slot));
+    }
+}
+
+impl FilterState {
+    #[inline]
+    fn check(&self, snap: &ClusterSnapshot, slot: u32) -> Result<(), Reason> {
+        for t in &self.existing {
+            if t.at(snap, slot).unwrap_or(0) > 0 {
                 return Err(Reason::ExistingAntiAffinity);
             }
         }
-        for t in &st.anti {
-            if t.at(snap, node.slot).unwrap_or(0) > 0 {
+        for t in &self.anti {
+            if t.at(snap, slot).unwrap_or(0) > 0 {
                 return Err(Reason::VmAntiAffinity);
             }
         }
-        for t in &st.affinity {
-            match t.at(snap, node.slot) {
+        for t in &self.affinity {
+            match t.at(snap, slot) {
                 None => return Err(Reason::VmAffinityMismatch),
-                Some(0) if !st.affinity_self_ok => return Err(Reason::VmAffinityMismatch),
+                Some(0) if !self.affinity_self_ok => return Err(Reason::VmAffinityMismatch),
                 _ => {}
             }
         }
@@ -255,11 +285,19 @@ impl PreScorePlugin for InterVmAffinity {
 
 impl ScorePlugin for InterVmAffinity {
     fn score(&self, cx: &Ctx<'_>, state: &CycleState, node: &NodeInfo) -> i64 {
-        state.read::<ScoreState>().map_or(0, |s| {
-            s.0.iter()
-                .map(|t| t.weight * i64::from(t.at(cx.snapshot, node.slot).unwrap_or(0)))
-                .sum()
-        })
+        state
+            .read::<ScoreState>()
+            .map_or(0, |s| s.score(cx.snapshot, node.slot))
+    }
+
+    fn score_batch(&self, cx: &Ctx<'_>, state: &CycleState, slots: &[u32], out: &mut [i64]) {
+        let Some(st) = state.read::<ScoreState>() else {
+            out.fill(0);
+            return;
+        };
+        for (&s, o) in slots.iter().zip(out.iter_mut()) {
+            *o = st.score(cx.snapshot, s);
+        }
     }
 
     fn normalize(&self, _: &Ctx<'_>, _: &CycleState, scores: &mut [i64]) {

@@ -3,7 +3,7 @@
 
 use crate::framework::{
     Ctx, CycleState, FilterPlugin, MAX_NODE_SCORE, Plugin, PreFilterPlugin, PreFilterResult,
-    PreScorePlugin, PreScoreResult, Reason, ScorePlugin, default_normalize,
+    PreScorePlugin, PreScoreResult, Reason, ScorePlugin, default_normalize, for_pending,
 };
 use crate::intern::Interner;
 use crate::selector::{CReq, CSelector};
@@ -135,6 +135,17 @@ fn intersect(a: &[u32], b: &[u32]) -> Vec<u32> {
 #[derive(Clone, Debug, Default)]
 struct Preferred(Vec<(i64, CSelector)>);
 
+impl Preferred {
+    #[inline]
+    fn score(&self, node: &NodeInfo, interner: &Interner) -> i64 {
+        self.0
+            .iter()
+            .filter(|(_, t)| t.matches(&node.labels, interner))
+            .map(|(w, _)| w)
+            .sum()
+    }
+}
+
 impl Plugin for NodeAffinity {
     fn name(&self) -> &str {
         Self::NAME
@@ -179,6 +190,26 @@ impl FilterPlugin for NodeAffinity {
             _ => Ok(()),
         }
     }
+
+    fn filter_batch(
+        &self,
+        cx: &Ctx<'_>,
+        state: &CycleState,
+        slots: &[u32],
+        out: &mut [Option<Reason>],
+    ) {
+        let Some(r) = state.read::<RequiredNodeAffinity>() else {
+            return;
+        };
+        let interner = cx.interner();
+        for_pending(cx.snapshot, slots, out, |n| {
+            if r.matches(n, interner) {
+                Ok(())
+            } else {
+                Err(Reason::NodeAffinityMismatch)
+            }
+        });
+    }
 }
 
 impl PreScorePlugin for NodeAffinity {
@@ -206,12 +237,20 @@ impl PreScorePlugin for NodeAffinity {
 
 impl ScorePlugin for NodeAffinity {
     fn score(&self, cx: &Ctx<'_>, state: &CycleState, node: &NodeInfo) -> i64 {
-        state.read::<Preferred>().map_or(0, |p| {
-            p.0.iter()
-                .filter(|(_, t)| t.matches(&node.labels, cx.interner()))
-                .map(|(w, _)| w)
-                .sum()
-        })
+        state
+            .read::<Preferred>()
+            .map_or(0, |p| p.score(node, cx.interner()))
+    }
+
+    fn score_batch(&self, cx: &Ctx<'_>, state: &CycleState, slots: &[u32], out: &mut [i64]) {
+        let Some(p) = state.read::<Preferred>() else {
+            out.fill(0);
+            return;
+        };
+        let nodes = &cx.snapshot.nodes;
+        for (&s, o) in slots.iter().zip(out.iter_mut()) {
+            *o = p.score(&nodes[s as usize], cx.interner());
+        }
     }
 
     fn normalize(&self, _: &Ctx<'_>, _: &CycleState, scores: &mut [i64]) {

@@ -2,7 +2,7 @@
 //! NodeUnschedulable: cordoned nodes take no new VMs, unless tolerated.
 
 use crate::framework::{
-    Ctx, CycleState, FilterPlugin, Plugin, PreFilterPlugin, PreFilterResult, Reason,
+    Ctx, CycleState, FilterPlugin, Plugin, PreFilterPlugin, PreFilterResult, Reason, for_pending,
 };
 use crate::snapshot::NodeInfo;
 use crate::types::{TaintEffect, TolerationOperator, UNSCHEDULABLE_TAINT_KEY};
@@ -49,10 +49,25 @@ impl PreFilterPlugin for NodeUnschedulable {
 impl FilterPlugin for NodeUnschedulable {
     #[inline]
     fn filter(&self, _: &Ctx<'_>, _: &CycleState, node: &NodeInfo) -> Result<(), Reason> {
-        if node.unschedulable {
-            Err(Reason::NodeUnschedulable)
-        } else {
-            Ok(())
-        }
+        check(node)
+    }
+
+    fn filter_batch(
+        &self,
+        cx: &Ctx<'_>,
+        _: &CycleState,
+        slots: &[u32],
+        out: &mut [Option<Reason>],
+    ) {
+        for_pending(cx.snapshot, slots, out, check);
+    }
+}
+
+#[inline]
+fn check(node: &NodeInfo) -> Result<(), Reason> {
+    if node.unschedulable {
+        Err(Reason::NodeUnschedulable)
+    } else {
+        Ok(())
     }
 }

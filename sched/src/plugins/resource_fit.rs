@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::framework::{
-    Ctx, CycleState, FilterPlugin, MAX_NODE_SCORE, Plugin, Reason, ScorePlugin,
+    Ctx, CycleState, FilterPlugin, MAX_NODE_SCORE, Plugin, Reason, ScorePlugin, for_pending,
 };
 use crate::plugins::scaled_fraction;
 use crate::snapshot::NodeInfo;
@@ -98,7 +98,24 @@ impl Plugin for NodeResourcesFit {
 impl FilterPlugin for NodeResourcesFit {
     #[inline]
     fn filter(&self, cx: &Ctx<'_>, _: &CycleState, node: &NodeInfo) -> Result<(), Reason> {
+        self.check(cx.request.resources, node)
+    }
+
+    fn filter_batch(
+        &self,
+        cx: &Ctx<'_>,
+        _: &CycleState,
+        slots: &[u32],
+        out: &mut [Option<Reason>],
+    ) {
         let want = cx.request.resources;
+        for_pending(cx.snapshot, slots, out, |n| self.check(want, n));
+    }
+}
+
+impl NodeResourcesFit {
+    #[inline]
+    fn check(&self, want: Resources, node: &NodeInfo) -> Result<(), Reason> {
         let cap = self.effective(node.allocatable);
         let used = node.requested;
         let cpu =
@@ -112,18 +129,23 @@ impl FilterPlugin for NodeResourcesFit {
             Ok(())
         }
     }
-}
 
-impl ScorePlugin for NodeResourcesFit {
+    /// Per-cycle constants of [`score_node`](Self::score_node):
+    /// `1 / (allocatable * pct / 100) = (1 / allocatable) * 100 / pct`.
     #[inline]
-    fn score(&self, cx: &Ctx<'_>, _: &CycleState, node: &NodeInfo) -> i64 {
+    fn score_scales(&self) -> (f64, f64) {
+        let scale = |pct: u32| 100.0 * MAX_NODE_SCORE as f64 / f64::from(pct.max(1));
+        (
+            scale(self.args.cpu_overcommit_percent),
+            scale(self.args.memory_overcommit_percent),
+        )
+    }
+
+    #[inline]
+    fn score_node(&self, want: Resources, (sc, sm): (f64, f64), node: &NodeInfo) -> i64 {
         let cap = self.effective(node.allocatable);
-        let after = node.requested.saturating_add(cx.request.resources);
+        let after = node.requested.saturating_add(want);
         let (ic, im) = node.inv_allocatable;
-        // 1 / (allocatable * pct / 100) = (1 / allocatable) * 100 / pct.
-        let sc = 100.0 * MAX_NODE_SCORE as f64 / f64::from(self.args.cpu_overcommit_percent.max(1));
-        let sm =
-            100.0 * MAX_NODE_SCORE as f64 / f64::from(self.args.memory_overcommit_percent.max(1));
         let c = scaled_fraction(after.cpu_millis, cap.cpu_millis, ic, sc).min(MAX_NODE_SCORE);
         let m = scaled_fraction(after.memory_bytes, cap.memory_bytes, im, sm).min(MAX_NODE_SCORE);
         let (c, m) = match self.args.strategy {
@@ -142,6 +164,28 @@ impl ScorePlugin for NodeResourcesFit {
             ),
         };
         (c + m) / 2
+    }
+}
+
+impl ScorePlugin for NodeResourcesFit {
+    #[inline]
+    fn score(&self, cx: &Ctx<'_>, _: &CycleState, node: &NodeInfo) -> i64 {
+        self.score_node(cx.request.resources, self.score_scales(), node)
+    }
+
+    fn resources_only(&self) -> bool {
+        true
+    }
+
+    fn score_batch(&self, cx: &Ctx<'_>, _: &CycleState, slots: &[u32], out: &mut [i64]) {
+        let (want, scales, nodes) = (
+            cx.request.resources,
+            self.score_scales(),
+            &cx.snapshot.nodes,
+        );
+        for (&s, o) in slots.iter().zip(out.iter_mut()) {
+            *o = self.score_node(want, scales, &nodes[s as usize]);
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 
 use crate::framework::{
     Ctx, CycleState, FilterPlugin, MAX_NODE_SCORE, Plugin, PreFilterPlugin, PreFilterResult,
-    PreScorePlugin, PreScoreResult, Reason, ScorePlugin,
+    PreScorePlugin, PreScoreResult, Reason, ScorePlugin, for_pending,
 };
 use crate::plugins::count_matching;
 use crate::plugins::node_affinity::RequiredNodeAffinity;
@@ -57,6 +57,26 @@ struct SpreadState {
 
 #[derive(Clone, Debug, Default)]
 struct SpreadScore(Vec<Constraint>);
+
+impl SpreadScore {
+    #[inline]
+    fn score(&self, snap: &ClusterSnapshot, slot: u32) -> i64 {
+        self.0
+            .iter()
+            .map(|c| {
+                let d = c
+                    .col
+                    .map_or(NO_DOMAIN, |col| snap.columns[col].domain_of[slot as usize]);
+                if d == NO_DOMAIN {
+                    // Nodes without the key are the worst choice.
+                    i64::from(c.counts.iter().copied().max().unwrap_or(0)) + 1
+                } else {
+                    i64::from(c.counts[d as usize])
+                }
+            })
+            .sum()
+    }
+}
 
 fn build(cx: &Ctx<'_>, cons: &[&TopologySpreadConstraint]) -> SpreadState {
     let snap: &ClusterSnapshot = cx.snapshot;
@@ -217,13 +237,34 @@ fn update(cx: &Ctx<'_>, state: &mut CycleState, vm: &VmInfo, node: &NodeInfo, ad
 
 impl FilterPlugin for TopologySpread {
     fn filter(&self, cx: &Ctx<'_>, state: &CycleState, node: &NodeInfo) -> Result<(), Reason> {
+        match state.read::<SpreadState>() {
+            Some(st) => st.check(cx.snapshot, node.slot),
+            None => Ok(()),
+        }
+    }
+
+    fn filter_batch(
+        &self,
+        cx: &Ctx<'_>,
+        state: &CycleState,
+        slots: &[u32],
+        out: &mut [Option<Reason>],
+    ) {
         let Some(st) = state.read::<SpreadState>() else {
-            return Ok(());
+            return;
         };
-        for c in &st.constraints {
-            let d = c.col.map_or(NO_DOMAIN, |col| {
-                cx.snapshot.columns[col].domain_of[node.slot as usize]
-            });
+        let snap = cx.snapshot;
+        for_pending(snap, slots, out, |n| st.check(snap, n.slot));
+    }
+}
+
+impl SpreadState {
+    #[inline]
+    fn check(&self, snap: &ClusterSnapshot, slot: u32) -> Result<(), Reason> {
+        for c in &self.constraints {
+            let d = c
+                .col
+                .map_or(NO_DOMAIN, |col| snap.columns[col].domain_of[slot as usize]);
             if d == NO_DOMAIN {
                 return Err(Reason::TopologySpreadMissingLabel);
             }
@@ -254,21 +295,19 @@ impl PreScorePlugin for TopologySpread {
 
 impl ScorePlugin for TopologySpread {
     fn score(&self, cx: &Ctx<'_>, state: &CycleState, node: &NodeInfo) -> i64 {
-        state.read::<SpreadScore>().map_or(0, |s| {
-            s.0.iter()
-                .map(|c| {
-                    let d = c.col.map_or(NO_DOMAIN, |col| {
-                        cx.snapshot.columns[col].domain_of[node.slot as usize]
-                    });
-                    if d == NO_DOMAIN {
-                        // Nodes without the key are the worst choice.
-                        i64::from(c.counts.iter().copied().max().unwrap_or(0)) + 1
-                    } else {
-                        i64::from(c.counts[d as usize])
-                    }
-                })
-                .sum()
-        })
+        state
+            .read::<SpreadScore>()
+            .map_or(0, |s| s.score(cx.snapshot, node.slot))
+    }
+
+    fn score_batch(&self, cx: &Ctx<'_>, state: &CycleState, slots: &[u32], out: &mut [i64]) {
+        let Some(st) = state.read::<SpreadScore>() else {
+            out.fill(0);
+            return;
+        };
+        for (&s, o) in slots.iter().zip(out.iter_mut()) {
+            *o = st.score(cx.snapshot, s);
+        }
     }
 
     fn normalize(&self, _: &Ctx<'_>, _: &CycleState, scores: &mut [i64]) {

@@ -4,7 +4,7 @@
 
 use crate::framework::{
     Ctx, CycleState, FilterPlugin, MAX_NODE_SCORE, Plugin, PreFilterPlugin, PreFilterResult,
-    PreScorePlugin, PreScoreResult, Reason, ScorePlugin, default_normalize,
+    PreScorePlugin, PreScoreResult, Reason, ScorePlugin, default_normalize, for_pending,
 };
 use crate::intern::{Interner, Sym};
 use crate::snapshot::{NodeInfo, TaintInfo};
@@ -110,17 +110,42 @@ impl FilterPlugin for TaintToleration {
             return Ok(());
         }
         let empty = Tolerations::default();
-        let tols = state.read::<Tolerations>().unwrap_or(&empty);
-        for t in node.taints.iter() {
-            if t.effect != TaintEffect::PreferNoSchedule && !tols.tolerates(t) {
-                return Err(Reason::UntoleratedTaint {
-                    key: t.key,
-                    value: t.value,
-                });
-            }
-        }
-        Ok(())
+        check(state.read::<Tolerations>().unwrap_or(&empty), node)
     }
+
+    fn filter_batch(
+        &self,
+        cx: &Ctx<'_>,
+        state: &CycleState,
+        slots: &[u32],
+        out: &mut [Option<Reason>],
+    ) {
+        let empty = Tolerations::default();
+        let tols = state.read::<Tolerations>().unwrap_or(&empty);
+        for_pending(cx.snapshot, slots, out, |n| check(tols, n));
+    }
+}
+
+#[inline]
+fn check(tols: &Tolerations, node: &NodeInfo) -> Result<(), Reason> {
+    for t in node.taints.iter() {
+        if t.effect != TaintEffect::PreferNoSchedule && !tols.tolerates(t) {
+            return Err(Reason::UntoleratedTaint {
+                key: t.key,
+                value: t.value,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Untolerated `PreferNoSchedule` taints of `node`.
+#[inline]
+fn prefer_no_schedule(tols: &Tolerations, node: &NodeInfo) -> i64 {
+    node.taints
+        .iter()
+        .filter(|t| t.effect == TaintEffect::PreferNoSchedule && !tols.tolerates(t))
+        .count() as i64
 }
 
 impl PreScorePlugin for TaintToleration {
@@ -138,11 +163,16 @@ impl PreScorePlugin for TaintToleration {
 impl ScorePlugin for TaintToleration {
     fn score(&self, _: &Ctx<'_>, state: &CycleState, node: &NodeInfo) -> i64 {
         let empty = Tolerations::default();
+        prefer_no_schedule(state.read::<Tolerations>().unwrap_or(&empty), node)
+    }
+
+    fn score_batch(&self, cx: &Ctx<'_>, state: &CycleState, slots: &[u32], out: &mut [i64]) {
+        let empty = Tolerations::default();
         let tols = state.read::<Tolerations>().unwrap_or(&empty);
-        node.taints
-            .iter()
-            .filter(|t| t.effect == TaintEffect::PreferNoSchedule && !tols.tolerates(t))
-            .count() as i64
+        let nodes = &cx.snapshot.nodes;
+        for (&s, o) in slots.iter().zip(out.iter_mut()) {
+            *o = prefer_no_schedule(tols, &nodes[s as usize]);
+        }
     }
 
     fn normalize(&self, _: &Ctx<'_>, _: &CycleState, scores: &mut [i64]) {

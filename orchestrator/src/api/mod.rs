@@ -65,6 +65,9 @@ pub struct ApiServerConfig {
     pub watch_timeout: Duration,
     /// Accept the read-only token.
     pub readonly_token: bool,
+    /// More routes served next to the Kubernetes API, behind the same
+    /// authentication (e.g. `/metrics` and subresources of the cluster binary).
+    pub extra_routes: Option<Router>,
 }
 
 impl ApiServerConfig {
@@ -79,6 +82,7 @@ impl ApiServerConfig {
             bookmark_interval: Duration::from_secs(10),
             watch_timeout: Duration::from_secs(1800),
             readonly_token: true,
+            extra_routes: None,
         }
     }
 }
@@ -144,16 +148,23 @@ impl ApiState {
 
 /// The HTTP application (without TLS): useful for in-process tests and fuzzing.
 pub fn router(state: ApiState) -> Router {
+    router_with(state, Router::new())
+}
+
+/// [`router`] plus `extra` routes (they take precedence over the Kubernetes
+/// API paths and share its authentication).
+pub fn router_with(state: ApiState, extra: Router) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/livez", get(|| async { "ok" }))
         .route("/readyz", get(|| async { "ok" }))
         .fallback(handlers::dispatch)
+        .with_state(state.clone())
+        .merge(extra)
         .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            state,
             auth::authenticate,
         ))
-        .with_state(state)
 }
 
 /// Creates the system namespaces if missing.
@@ -236,7 +247,8 @@ impl ApiServer {
         let kubeconfig = tls::write_kubeconfig(&dir, &url, &tls.ca_pem, &tokens)?;
         ensure_system_namespaces(store.as_ref()).await?;
         let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config()?);
-        let app = router(ApiState::new(store, tokens.clone(), &config));
+        let extra = config.extra_routes.clone().unwrap_or_default();
+        let app = router_with(ApiState::new(store, tokens.clone(), &config), extra);
         let (stop, mut stopped) = tokio_watch::channel(false);
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();

@@ -1,0 +1,862 @@
+// SPDX-License-Identifier: Apache-2.0
+//! `sheaf`: a Harvester-like cluster on one machine, and a virtctl-like CLI.
+//!
+//! ```text
+//! sheaf cluster up [--nodes 3] [--listen 127.0.0.1:6443]   # foreground; Ctrl-C stops it
+//! export KUBECONFIG=~/.local/share/sheaf/admin.kubeconfig
+//! sheaf image demo /tmp/probe-disk.img && sheaf image import /tmp/probe-disk.img --name probe-disk
+//! kubectl apply -f examples/vm.yaml
+//! sheaf status | sheaf console demo | sheaf node drain node-1 | sheaf node kill node-0
+//! ```
+//!
+//! The binary is also the launcher its nodes start (`sheaf vm --spec F`,
+//! `sheaf replica ...`, the same interface as `sheaf-launcher`).
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::{Parser, Subcommand};
+use serde_json::{Value, json};
+use sheaf_examples::client::ApiClient;
+use sheaf_examples::cluster::{UpOptions, start, wait_for_signal};
+use sheaf_examples::image::{ImportOptions, ImportProgress, write_probe_disk};
+use sheaf_examples::status::{Snapshot, render};
+use sheaf_orchestrator::launcher::{LaunchSpec, ReplicaArgs, run_replica, run_vm};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sheaf",
+    version,
+    about = "A Harvester-like VM cluster on one machine, and a virtctl-like CLI for it"
+)]
+struct Cli {
+    /// Cluster data directory [env SHEAF_DATA_DIR; default ~/.local/share/sheaf].
+    #[arg(long, global = true)]
+    data_dir: Option<PathBuf>,
+    /// Kubeconfig of the cluster [default <data-dir>/admin.kubeconfig].
+    #[arg(long, global = true)]
+    kubeconfig: Option<PathBuf>,
+    /// Namespace of VMs and volumes.
+    #[arg(short, long, global = true, default_value = "default")]
+    namespace: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run a cluster.
+    Cluster {
+        #[command(subcommand)]
+        cmd: ClusterCmd,
+    },
+    /// Nodes, VMs, volumes and replica health at a glance.
+    Status,
+    /// The serial console of a VM (Ctrl-] exits).
+    Console {
+        /// VM name.
+        vm: String,
+        /// Print what the console holds and exit instead of following it.
+        #[arg(long)]
+        no_follow: bool,
+    },
+    /// Start a VM.
+    Start {
+        /// VM name.
+        vm: String,
+    },
+    /// Stop a VM.
+    Stop {
+        /// VM name.
+        vm: String,
+    },
+    /// Restart a VM (a new instance).
+    Restart {
+        /// VM name.
+        vm: String,
+    },
+    /// Pause a VM's vCPUs.
+    Pause {
+        /// VM name.
+        vm: String,
+    },
+    /// Resume a paused VM.
+    Unpause {
+        /// VM name.
+        vm: String,
+    },
+    /// Move a running VM to another node (cold migration).
+    Migrate {
+        /// VM name.
+        vm: String,
+        /// Wait until it runs on the new node.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Disk images.
+    Image {
+        #[command(subcommand)]
+        cmd: ImageCmd,
+    },
+    /// Node operations.
+    Node {
+        #[command(subcommand)]
+        cmd: NodeCmd,
+    },
+    /// (launcher) Run the VM of a launch spec.
+    #[command(hide = true)]
+    Vm {
+        #[arg(long)]
+        spec: PathBuf,
+    },
+    /// (launcher) Serve one replica store.
+    #[command(hide = true)]
+    Replica {
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long)]
+        secret_file: PathBuf,
+        #[arg(long)]
+        create_size: Option<u64>,
+        #[arg(long)]
+        replacement: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ClusterCmd {
+    /// Start a control plane and N nodes in the foreground (Ctrl-C stops them).
+    Up {
+        /// Nodes.
+        #[arg(long, default_value_t = 3)]
+        nodes: usize,
+        /// API server address.
+        #[arg(long, default_value = "127.0.0.1:6443")]
+        listen: SocketAddr,
+        /// Put each node in its own network namespace.
+        #[arg(long)]
+        netns: bool,
+        /// Seconds a silent node stays Ready before its VMs fail over.
+        #[arg(long, default_value_t = 3.0)]
+        node_grace: f64,
+    },
+    /// Stop the cluster running on the data directory (SIGTERM to it).
+    Down,
+}
+
+#[derive(Subcommand, Debug)]
+enum ImageCmd {
+    /// Import a raw or qcow2 image into a replicated volume.
+    Import {
+        /// Image file on this machine.
+        file: PathBuf,
+        /// Volume name [default: the file name without extension].
+        #[arg(long)]
+        name: Option<String>,
+        /// Volume size in bytes [default: the image size rounded up to 1 MiB].
+        #[arg(long)]
+        size: Option<u64>,
+        /// Replicas of a new volume.
+        #[arg(long, default_value_t = 3)]
+        replicas: u32,
+    },
+    /// Write a demo disk for the probe guest (valid records of its on-disk log).
+    Demo {
+        /// Output file (raw).
+        file: PathBuf,
+        /// Size in MiB.
+        #[arg(long, default_value_t = 16)]
+        size_mib: u64,
+        /// Log records to put on it.
+        #[arg(long, default_value_t = 8)]
+        records: u64,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum NodeCmd {
+    /// Cordon a node and migrate its VMs away.
+    Drain {
+        /// Node name.
+        node: String,
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 120)]
+        timeout: u64,
+    },
+    /// Make a node schedulable again.
+    Uncordon {
+        /// Node name.
+        node: String,
+    },
+    /// Kill a node like a power cut (kill -9 of its processes), for failover demos.
+    Kill {
+        /// Node name.
+        node: String,
+        /// Wait until its VMs run on other nodes.
+        #[arg(long)]
+        wait: bool,
+    },
+    /// Start a killed node again (same data).
+    Restart {
+        /// Node name.
+        node: String,
+    },
+}
+
+fn default_data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("SHEAF_DATA_DIR") {
+        return d.into();
+    }
+    if let Some(d) = std::env::var_os("XDG_DATA_HOME") {
+        return PathBuf::from(d).join("sheaf");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".local/share/sheaf"),
+        None => PathBuf::from("sheaf-data"),
+    }
+}
+
+fn init_logs(to: Option<&Path>) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new(if to.is_some() { "info" } else { "warn" })
+    });
+    let b = tracing_subscriber::fmt().with_env_filter(filter);
+    match to {
+        Some(p) => {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("log file {}", p.display()))?;
+            b.with_ansi(false)
+                .with_writer(std::sync::Mutex::new(f))
+                .init();
+        }
+        None => b.with_writer(std::io::stderr).init(),
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let data_dir = cli.data_dir.clone().unwrap_or_else(default_data_dir);
+    match cli.cmd {
+        // Launcher modes: what the node agents start.
+        Cmd::Vm { spec } => {
+            init_logs(None)?;
+            let text =
+                std::fs::read(&spec).with_context(|| format!("reading {}", spec.display()))?;
+            let spec: LaunchSpec = serde_json::from_slice(&text).context("launch spec")?;
+            let exit = run_vm(spec)?;
+            std::process::exit(if exit.success { 0 } else { 1 });
+        }
+        Cmd::Replica {
+            dir,
+            listen,
+            secret_file,
+            create_size,
+            replacement,
+        } => {
+            init_logs(None)?;
+            run_replica(ReplicaArgs {
+                dir,
+                listen,
+                secret_file,
+                create_size,
+                replacement,
+            })?;
+            Ok(())
+        }
+        Cmd::Cluster {
+            cmd:
+                ClusterCmd::Up {
+                    nodes,
+                    listen,
+                    netns,
+                    node_grace,
+                },
+        } => {
+            std::fs::create_dir_all(&data_dir)
+                .with_context(|| format!("data directory {}", data_dir.display()))?;
+            init_logs(Some(&data_dir.join("cluster.log")))?;
+            if nodes == 0 || nodes > 64 {
+                bail!("--nodes must be between 1 and 64");
+            }
+            if !(0.5..=3600.0).contains(&node_grace) {
+                bail!("--node-grace must be between 0.5 and 3600 seconds");
+            }
+            let opts = UpOptions {
+                nodes,
+                data_dir: data_dir.clone(),
+                listen,
+                netns,
+                node_grace: Duration::from_secs_f64(node_grace),
+                launcher_bin: std::env::current_exe().context("locating the sheaf binary")?,
+            };
+            tokio::runtime::Runtime::new()?.block_on(cluster_up(opts))
+        }
+        cmd => {
+            init_logs(None)?;
+            let kc = cli
+                .kubeconfig
+                .clone()
+                .unwrap_or_else(|| data_dir.join("admin.kubeconfig"));
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(client_cmd(cmd, &kc, &data_dir, &cli.namespace))
+        }
+    }
+}
+
+async fn cluster_up(opts: UpOptions) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    println!(
+        "Starting sheaf: control plane + {} node{} (data in {})",
+        opts.nodes,
+        if opts.nodes == 1 { "" } else { "s" },
+        opts.data_dir.display()
+    );
+    let running = start(&opts).await?;
+    let kubeconfig = running.api.kubeconfig.clone();
+    println!(
+        "Cluster up in {:.1} s. API server {}",
+        t0.elapsed().as_secs_f64(),
+        running.api.url
+    );
+    println!("kubeconfig: {}", kubeconfig.display());
+    println!("  export KUBECONFIG={}", kubeconfig.display());
+    let client = ApiClient::from_kubeconfig(&kubeconfig)?;
+    let snap = Snapshot::fetch(&client).await?;
+    println!();
+    print!("{}", render(&snap));
+    println!();
+    println!(
+        "Logs: {}. Metrics: {}/metrics. Ctrl-C stops the cluster.",
+        opts.data_dir.join("cluster.log").display(),
+        running.api.url
+    );
+    let _ = std::io::stdout().flush();
+    let sig = wait_for_signal().await?;
+    println!("\n{sig}: stopping the cluster...");
+    running.shutdown().await;
+    // Every launcher and replica process got SIGKILL; reap and count.
+    let left = wait_children_gone(Duration::from_secs(5));
+    if left.is_empty() {
+        println!("Stopped; no sheaf process left running.");
+    } else {
+        println!("Stopped; processes still exiting: {left:?}");
+    }
+    Ok(())
+}
+
+/// Child processes of this process that are still alive after `limit`.
+fn wait_children_gone(limit: Duration) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let t0 = Instant::now();
+    loop {
+        let mut left = Vec::new();
+        if let Ok(rd) = std::fs::read_dir("/proc") {
+            for e in rd.flatten() {
+                let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                    continue;
+                };
+                let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                    continue;
+                };
+                // pid (comm) state ppid ...
+                let Some(rest) = stat.rsplit_once(')').map(|x| x.1) else {
+                    continue;
+                };
+                let mut f = rest.split_whitespace();
+                let state = f.next().unwrap_or("");
+                let ppid: i32 = f.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+                if ppid == me {
+                    if state == "Z" {
+                        // SAFETY: reaping our own exited child; no memory is touched.
+                        unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+                    } else {
+                        left.push(pid);
+                    }
+                }
+            }
+        }
+        if left.is_empty() || t0.elapsed() > limit {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn kv(ns: &str) -> String {
+    format!("/apis/subresources.kubevirt.io/v1/namespaces/{ns}")
+}
+
+async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::Result<()> {
+    if let Cmd::Image {
+        cmd: ImageCmd::Demo {
+            file,
+            size_mib,
+            records,
+        },
+    } = &cmd
+    {
+        if *size_mib < 2 || (2048 + 8 * records) * 512 > size_mib << 20 {
+            bail!("{records} records do not fit in {size_mib} MiB (the log starts at 1 MiB)");
+        }
+        write_probe_disk(file, size_mib << 20, *records, "imported")
+            .with_context(|| format!("writing {}", file.display()))?;
+        println!(
+            "Wrote {} ({size_mib} MiB raw, {records} probe log records)",
+            file.display()
+        );
+        return Ok(());
+    }
+    if let Cmd::Cluster {
+        cmd: ClusterCmd::Down,
+    } = &cmd
+    {
+        let pidf = data_dir.join("sheaf.pid");
+        let pid: i32 = std::fs::read_to_string(&pidf)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .with_context(|| {
+                format!(
+                    "no cluster running on {} ({} missing)",
+                    data_dir.display(),
+                    pidf.display()
+                )
+            })?;
+        // SAFETY: sending SIGTERM to the pid recorded by `cluster up`.
+        if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+            bail!(
+                "no cluster running on {} (pid {pid} is gone)",
+                data_dir.display()
+            );
+        }
+        let t0 = Instant::now();
+        // SAFETY: signal 0 only probes for the process.
+        while unsafe { libc::kill(pid, 0) } == 0 {
+            if t0.elapsed() > Duration::from_secs(30) {
+                bail!("cluster (pid {pid}) did not stop within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        println!("Cluster on {} stopped.", data_dir.display());
+        return Ok(());
+    }
+    let c = ApiClient::from_kubeconfig(kc)?;
+    match cmd {
+        Cmd::Status => {
+            let snap = Snapshot::fetch(&c).await?;
+            print!("{}", render(&snap));
+        }
+        Cmd::Start { vm } => vm_verb(&c, ns, &vm, "start").await?,
+        Cmd::Stop { vm } => vm_verb(&c, ns, &vm, "stop").await?,
+        Cmd::Restart { vm } => vm_verb(&c, ns, &vm, "restart").await?,
+        Cmd::Pause { vm } => vmi_verb(&c, ns, &vm, "pause").await?,
+        Cmd::Unpause { vm } => vmi_verb(&c, ns, &vm, "unpause").await?,
+        Cmd::Migrate { vm, wait } => {
+            let from = vmi_node(&c, ns, &vm).await?;
+            let r = c
+                .json(
+                    "PUT",
+                    &format!("{}/virtualmachines/{vm}/migrate", kv(ns)),
+                    Some(("application/json", &json!({}))),
+                )
+                .await?;
+            println!(
+                "VM {ns}/{vm}: migration {} created (from {})",
+                r["migration"].as_str().unwrap_or("?"),
+                from.as_deref().unwrap_or("?")
+            );
+            if wait {
+                let to = wait_moved(&c, ns, &vm, from.as_deref(), Duration::from_secs(120)).await?;
+                println!("VM {ns}/{vm} is Running on {to}");
+            }
+        }
+        Cmd::Console { vm, no_follow } => console(&c, ns, &vm, !no_follow).await?,
+        Cmd::Image {
+            cmd:
+                ImageCmd::Import {
+                    file,
+                    name,
+                    size,
+                    replicas,
+                },
+        } => image_import(&c, ns, &file, name, size, replicas).await?,
+        Cmd::Node { cmd } => node_cmd(&c, cmd).await?,
+        Cmd::Image { .. } | Cmd::Cluster { .. } | Cmd::Vm { .. } | Cmd::Replica { .. } => {}
+    }
+    Ok(())
+}
+
+async fn vm_verb(c: &ApiClient, ns: &str, vm: &str, verb: &str) -> anyhow::Result<()> {
+    c.json(
+        "PUT",
+        &format!("{}/virtualmachines/{vm}/{verb}", kv(ns)),
+        Some(("application/json", &json!({}))),
+    )
+    .await?;
+    let done = match verb {
+        "start" => "was scheduled to start",
+        "stop" => "was scheduled to stop",
+        _ => "was scheduled to restart",
+    };
+    println!("VM {ns}/{vm} {done}");
+    Ok(())
+}
+
+async fn vmi_verb(c: &ApiClient, ns: &str, vm: &str, verb: &str) -> anyhow::Result<()> {
+    c.json(
+        "PUT",
+        &format!("{}/virtualmachineinstances/{vm}/{verb}", kv(ns)),
+        Some(("application/json", &json!({}))),
+    )
+    .await?;
+    println!("VMI {ns}/{vm} was scheduled to {verb}");
+    Ok(())
+}
+
+async fn vmi_node(c: &ApiClient, ns: &str, vm: &str) -> anyhow::Result<Option<String>> {
+    let v = c
+        .get(&format!(
+            "/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachineinstances/{vm}"
+        ))
+        .await?;
+    Ok(v["status"]["nodeName"].as_str().map(str::to_string))
+}
+
+/// Waits until VM `vm`'s instance is Running on a node other than `from`.
+async fn wait_moved(
+    c: &ApiClient,
+    ns: &str,
+    vm: &str,
+    from: Option<&str>,
+    limit: Duration,
+) -> anyhow::Result<String> {
+    let t0 = Instant::now();
+    loop {
+        let r = c
+            .send(
+                "GET",
+                &format!("/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachineinstances/{vm}"),
+                None,
+                Bytes::new(),
+            )
+            .await?;
+        if r.status == 200 {
+            let v: Value = serde_json::from_slice(&r.body)?;
+            let node = v["status"]["nodeName"].as_str();
+            if v["status"]["phase"] == "Running" && node.is_some() && node != from {
+                return Ok(node.unwrap_or_default().to_string());
+            }
+        }
+        if t0.elapsed() > limit {
+            bail!("VM {ns}/{vm} is not Running on another node after {limit:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Raw terminal mode for the console; restored on drop.
+struct RawMode(Option<libc::termios>);
+
+impl RawMode {
+    fn enter() -> RawMode {
+        // SAFETY: isatty only inspects the descriptor.
+        if unsafe { libc::isatty(0) } != 1 {
+            return RawMode(None);
+        }
+        // SAFETY: termios is plain data; tcgetattr fills it for fd 0, which is a tty.
+        let mut t: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; `t` is a valid, writable termios.
+        if unsafe { libc::tcgetattr(0, &mut t) } != 0 {
+            return RawMode(None);
+        }
+        let old = t;
+        // SAFETY: cfmakeraw edits the struct in place.
+        unsafe { libc::cfmakeraw(&mut t) };
+        // Keep output post-processing so "\n" still returns the carriage.
+        t.c_oflag |= libc::OPOST;
+        // SAFETY: setting attributes of our own terminal from a valid struct.
+        unsafe { libc::tcsetattr(0, libc::TCSANOW, &t) };
+        RawMode(Some(old))
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        if let Some(old) = self.0 {
+            // SAFETY: restoring the attributes saved by `enter`.
+            unsafe { libc::tcsetattr(0, libc::TCSANOW, &old) };
+        }
+    }
+}
+
+async fn console(c: &ApiClient, ns: &str, vm: &str, follow: bool) -> anyhow::Result<()> {
+    let path = format!(
+        "{}/virtualmachineinstances/{vm}/console?follow={follow}",
+        kv(ns)
+    );
+    let (quit_tx, mut quit_rx) = tokio::sync::oneshot::channel::<()>();
+    let raw = if follow {
+        eprintln!(
+            "Connected to {ns}/{vm}'s serial console (output only: the launcher does not \
+             forward input yet). Escape sequence: Ctrl-]"
+        );
+        let raw = RawMode::enter();
+        if raw.0.is_some() {
+            std::thread::spawn(move || {
+                let mut b = [0u8; 1];
+                loop {
+                    // SAFETY: reading one byte from stdin into a local buffer.
+                    let n = unsafe { libc::read(0, b.as_mut_ptr().cast(), 1) };
+                    if n <= 0 || b[0] == 0x1d {
+                        let _ = quit_tx.send(());
+                        return;
+                    }
+                }
+            });
+        }
+        raw
+    } else {
+        RawMode(None)
+    };
+    let stream = c.stream(&path, |d| {
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(d);
+        let _ = out.flush();
+        true
+    });
+    let res = tokio::select! {
+        r = stream => r,
+        _ = &mut quit_rx => Ok(()),
+    };
+    drop(raw);
+    if follow {
+        eprintln!();
+    }
+    res?;
+    Ok(())
+}
+
+async fn image_import(
+    c: &ApiClient,
+    ns: &str,
+    file: &Path,
+    name: Option<String>,
+    size: Option<u64>,
+    replicas: u32,
+) -> anyhow::Result<()> {
+    let abs = std::fs::canonicalize(file).with_context(|| format!("image {}", file.display()))?;
+    let name = match name {
+        Some(n) => n,
+        None => abs
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .map(|s| s.to_lowercase().replace(['_', '.', ' '], "-"))
+            .context("cannot derive a volume name; pass --name")?,
+    };
+    let body = serde_json::to_vec(&ImportOptions {
+        image: abs.to_string_lossy().into_owned(),
+        size,
+        replicas: Some(replicas),
+    })?;
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg:>12} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )?
+        .progress_chars("=> "),
+    );
+    bar.set_message("starting");
+    // The import answers with JSON lines; the same connection carries them.
+    let path = format!("/apis/subresources.sheaf.dev/v1/namespaces/{ns}/volumes/{name}/import");
+    let r = c
+        .send("POST", &path, Some("application/json"), Bytes::from(body))
+        .await?;
+    if !(200..300).contains(&r.status) {
+        bar.finish_and_clear();
+        return Err(sheaf_examples::client::status_error(r.status, &r.body).into());
+    }
+    // `send` reads the whole body; the lines arrive in order.
+    let mut last: Option<ImportProgress> = None;
+    for line in r.body.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+        let p: ImportProgress = serde_json::from_slice(line)?;
+        if p.total > 0 {
+            bar.set_length(p.total);
+            bar.set_position(p.done);
+        }
+        bar.set_message(p.phase.clone());
+        last = Some(p);
+    }
+    match last {
+        Some(p) if p.phase == "done" => {
+            bar.finish_with_message("imported");
+            println!("Volume {ns}/{name}: {}", p.message);
+            Ok(())
+        }
+        Some(p) => {
+            bar.abandon_with_message("failed");
+            bail!("import failed: {}", p.message)
+        }
+        None => bail!("import ended without a result"),
+    }
+}
+
+async fn node_cmd(c: &ApiClient, cmd: NodeCmd) -> anyhow::Result<()> {
+    let node_path = |n: &str| format!("/apis/sheaf.dev/v1/nodes/{n}");
+    match cmd {
+        NodeCmd::Drain { node, timeout } => {
+            c.json(
+                "PATCH",
+                &node_path(&node),
+                Some((
+                    "application/merge-patch+json",
+                    &json!({"spec": {"unschedulable": true}}),
+                )),
+            )
+            .await?;
+            println!("node/{node} cordoned");
+            let on_node = |c: ApiClient, node: String| async move {
+                let l = c
+                    .get(&format!(
+                        "/apis/kubevirt.io/v1/virtualmachineinstances?fieldSelector=status.nodeName%3D{node}"
+                    ))
+                    .await?;
+                Ok::<_, anyhow::Error>(l["items"].as_array().cloned().unwrap_or_default())
+            };
+            let vmis = on_node(c.clone(), node.clone()).await?;
+            for v in &vmis {
+                let ns = v["metadata"]["namespace"].as_str().unwrap_or("default");
+                let name = v["metadata"]["name"].as_str().unwrap_or("");
+                if v["status"]["phase"] != "Running" {
+                    continue;
+                }
+                let m = json!({
+                    "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
+                    "metadata": {"generateName": format!("{name}-drain-"), "namespace": ns},
+                    "spec": {"vmiName": name},
+                });
+                c.json(
+                    "POST",
+                    &format!(
+                        "/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachineinstancemigrations"
+                    ),
+                    Some(("application/json", &m)),
+                )
+                .await?;
+                println!("evicting vmi/{ns}/{name} (migration)");
+            }
+            let t0 = Instant::now();
+            loop {
+                let left = on_node(c.clone(), node.clone()).await?;
+                let running: Vec<String> = left
+                    .iter()
+                    .filter(|v| {
+                        !matches!(v["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+                    })
+                    .map(|v| {
+                        format!(
+                            "{}/{}",
+                            v["metadata"]["namespace"].as_str().unwrap_or(""),
+                            v["metadata"]["name"].as_str().unwrap_or("")
+                        )
+                    })
+                    .collect();
+                if running.is_empty() {
+                    break;
+                }
+                if t0.elapsed() > Duration::from_secs(timeout) {
+                    bail!("node/{node}: still running after {timeout} s: {running:?}");
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            for v in &vmis {
+                let ns = v["metadata"]["namespace"].as_str().unwrap_or("default");
+                let name = v["metadata"]["name"].as_str().unwrap_or("");
+                if let Ok(to) =
+                    wait_moved(c, ns, name, Some(&node), Duration::from_secs(timeout)).await
+                {
+                    println!("vmi/{ns}/{name} running on {to}");
+                }
+            }
+            println!("node/{node} drained");
+        }
+        NodeCmd::Uncordon { node } => {
+            c.json(
+                "PATCH",
+                &node_path(&node),
+                Some((
+                    "application/merge-patch+json",
+                    &json!({"spec": {"unschedulable": false}}),
+                )),
+            )
+            .await?;
+            println!("node/{node} uncordoned");
+        }
+        NodeCmd::Kill { node, wait } => {
+            let l = c
+                .get(&format!(
+                    "/apis/kubevirt.io/v1/virtualmachineinstances?fieldSelector=status.nodeName%3D{node}"
+                ))
+                .await?;
+            let victims: Vec<(String, String)> = l["items"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|v| {
+                    (
+                        v["metadata"]["namespace"]
+                            .as_str()
+                            .unwrap_or("")
+                            .to_string(),
+                        v["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                    )
+                })
+                .collect();
+            c.json(
+                "POST",
+                &format!("/apis/subresources.sheaf.dev/v1/nodes/{node}/kill"),
+                Some(("application/json", &json!({}))),
+            )
+            .await?;
+            println!(
+                "node/{node} killed ({} VM{} were on it)",
+                victims.len(),
+                if victims.len() == 1 { "" } else { "s" }
+            );
+            if wait {
+                let t0 = Instant::now();
+                for (ns, name) in &victims {
+                    let to = wait_moved(c, ns, name, Some(&node), Duration::from_secs(120)).await?;
+                    println!(
+                        "vmi/{ns}/{name} running on {to} ({:.1} s after the kill)",
+                        t0.elapsed().as_secs_f64()
+                    );
+                }
+            }
+        }
+        NodeCmd::Restart { node } => {
+            c.json(
+                "POST",
+                &format!("/apis/subresources.sheaf.dev/v1/nodes/{node}/restart"),
+                Some(("application/json", &json!({}))),
+            )
+            .await?;
+            println!("node/{node} restarted");
+        }
+    }
+    Ok(())
+}

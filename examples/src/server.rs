@@ -1,0 +1,504 @@
+// SPDX-License-Identifier: Apache-2.0
+//! Routes the cluster binary adds to the API server (behind its bearer-token
+//! authentication):
+//!
+//! ```text
+//!   GET  /metrics                                                     Prometheus text
+//!   PUT  /apis/subresources.kubevirt.io/v1/namespaces/N/virtualmachines/V/{start,stop,restart,migrate}
+//!   PUT  /apis/subresources.kubevirt.io/v1/namespaces/N/virtualmachineinstances/V/{pause,unpause}
+//!   GET  /apis/subresources.kubevirt.io/v1/namespaces/N/virtualmachineinstances/V/console[?follow=false]
+//!   POST /apis/subresources.sheaf.dev/v1/nodes/NODE/{kill,restart}
+//!   POST /apis/subresources.sheaf.dev/v1/namespaces/N/volumes/V/import   {"image": path, ...}
+//! ```
+//!
+//! The virtual machine verbs have KubeVirt's `virtctl` shapes; the node
+//! verbs act on the in-process [`LocalCluster`].
+
+use std::convert::Infallible;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sheaf_orchestrator::cluster::LocalCluster;
+use sheaf_orchestrator::resources::kubevirt::StateChangeRequest;
+use sheaf_orchestrator::resources::{
+    RunStrategy, VirtualMachine, VirtualMachineInstance, VmiPhase,
+};
+use sheaf_orchestrator::store::{
+    DeleteOptions, GroupKind, Store, StoreError, StoreExt, UpdateScope,
+};
+use tokio::sync::{Mutex, mpsc};
+
+use crate::image::{ImportOptions, ImportProgress, import_image};
+use crate::metrics::Metrics;
+
+/// What the routes act on.
+#[derive(Debug, Clone)]
+pub struct ClusterState {
+    /// The cluster's store.
+    pub store: Arc<dyn Store>,
+    /// The in-process cluster (node kill/restart, node directories).
+    pub cluster: Arc<Mutex<LocalCluster>>,
+    /// Metrics registry.
+    pub metrics: Metrics,
+    /// The cluster's data directory.
+    pub data_dir: PathBuf,
+}
+
+/// A Kubernetes `Status` failure.
+#[derive(Debug)]
+pub struct Failure {
+    code: u16,
+    reason: &'static str,
+    message: String,
+}
+
+impl Failure {
+    fn new(code: u16, reason: &'static str, message: impl Into<String>) -> Self {
+        Failure {
+            code,
+            reason,
+            message: message.into(),
+        }
+    }
+    fn not_found(what: &str, ns: &str, name: &str) -> Self {
+        Self::new(404, "NotFound", format!("{what} \"{ns}/{name}\" not found"))
+    }
+    fn conflict(message: impl Into<String>) -> Self {
+        Self::new(409, "Conflict", message)
+    }
+}
+
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound { .. } => Failure::new(404, "NotFound", e.to_string()),
+            StoreError::Conflict { .. } | StoreError::AlreadyExists { .. } => {
+                Failure::conflict(e.to_string())
+            }
+            other => Failure::new(500, "InternalError", other.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": self.message, "reason": self.reason, "code": self.code,
+        });
+        let code = StatusCode::from_u16(self.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (
+            code,
+            [(header::CONTENT_TYPE, "application/json")],
+            body.to_string(),
+        )
+            .into_response()
+    }
+}
+
+fn ok(v: Value) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+const KV: &str = "/apis/subresources.kubevirt.io/v1/namespaces/{ns}";
+const SHEAF: &str = "/apis/subresources.sheaf.dev/v1";
+
+/// The routes, ready for [`sheaf_orchestrator::api::ApiServerConfig::extra_routes`].
+pub fn routes(state: ClusterState) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route(
+            &format!("{KV}/virtualmachines/{{name}}/{{verb}}"),
+            put(vm_verb),
+        )
+        .route(
+            &format!("{KV}/virtualmachineinstances/{{name}}/console"),
+            get(console),
+        )
+        .route(
+            &format!("{KV}/virtualmachineinstances/{{name}}/{{verb}}"),
+            put(vmi_verb),
+        )
+        .route(&format!("{SHEAF}/nodes/{{name}}/{{verb}}"), post(node_verb))
+        .route(
+            &format!("{SHEAF}/namespaces/{{ns}}/volumes/{{name}}/import"),
+            post(import),
+        )
+        .with_state(state)
+}
+
+async fn metrics(State(s): State<ClusterState>) -> Response {
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.render().await,
+    )
+        .into_response()
+}
+
+/// The instance of a VM if one exists and has not finished.
+async fn live_vmi(
+    store: &Arc<dyn Store>,
+    ns: &str,
+    name: &str,
+) -> Result<Option<VirtualMachineInstance>, Failure> {
+    match store.get_typed::<VirtualMachineInstance>(ns, name).await {
+        Ok(v) => {
+            let phase = v.status.as_ref().and_then(|s| s.phase);
+            let done = matches!(phase, Some(VmiPhase::Succeeded | VmiPhase::Failed));
+            Ok((!done && v.metadata.deletion_timestamp.is_none()).then_some(v))
+        }
+        Err(StoreError::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn strategy(vm: &VirtualMachine) -> RunStrategy {
+    match (vm.spec.run_strategy, vm.spec.running) {
+        (Some(s), _) => s,
+        (None, Some(true)) => RunStrategy::Always,
+        _ => RunStrategy::Halted,
+    }
+}
+
+fn set_strategy(vm: &mut VirtualMachine, s: RunStrategy) {
+    if vm.spec.running.is_some() && vm.spec.run_strategy.is_none() {
+        vm.spec.running = Some(s != RunStrategy::Halted);
+    } else {
+        vm.spec.running = None;
+        vm.spec.run_strategy = Some(s);
+    }
+}
+
+async fn vm_verb(
+    State(s): State<ClusterState>,
+    Path((ns, name, verb)): Path<(String, String, String)>,
+) -> Result<Response, Failure> {
+    let store = &s.store;
+    let vm: VirtualMachine = match store.get_typed(&ns, &name).await {
+        Ok(v) => v,
+        Err(StoreError::NotFound { .. }) => {
+            return Err(Failure::not_found("virtualmachine", &ns, &name));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let live = live_vmi(store, &ns, &name).await?;
+    let strat = strategy(&vm);
+    match verb.as_str() {
+        "start" => {
+            if live.is_some() {
+                return Err(Failure::conflict(format!(
+                    "VM {ns}/{name} is already running"
+                )));
+            }
+            if strat == RunStrategy::Manual {
+                request_state(store, &ns, &name, "Start").await?;
+            } else {
+                store
+                    .modify_typed(&ns, &name, UpdateScope::Main, |vm: &mut VirtualMachine| {
+                        set_strategy(vm, RunStrategy::Always)
+                    })
+                    .await?;
+            }
+        }
+        "stop" => {
+            if live.is_none() && strat == RunStrategy::Halted {
+                return Err(Failure::conflict(format!("VM {ns}/{name} is not running")));
+            }
+            if strat == RunStrategy::Manual {
+                request_state(store, &ns, &name, "Stop").await?;
+            } else {
+                store
+                    .modify_typed(&ns, &name, UpdateScope::Main, |vm: &mut VirtualMachine| {
+                        set_strategy(vm, RunStrategy::Halted)
+                    })
+                    .await?;
+            }
+        }
+        "restart" => {
+            let Some(vmi) = live else {
+                return Err(Failure::conflict(format!(
+                    "VM {ns}/{name} is not running; use start"
+                )));
+            };
+            if strat == RunStrategy::Halted {
+                return Err(Failure::conflict(format!(
+                    "VM {ns}/{name} is halted; use start"
+                )));
+            }
+            if strat == RunStrategy::Manual {
+                request_state(store, &ns, &name, "Stop").await?;
+                request_state(store, &ns, &name, "Start").await?;
+            } else {
+                let uid = vmi.metadata.uid.clone().unwrap_or_default();
+                let opts = DeleteOptions {
+                    uid: Some(uid),
+                    ..Default::default()
+                };
+                store
+                    .delete(
+                        &GroupKind::of::<VirtualMachineInstance>(),
+                        &ns,
+                        &name,
+                        &opts,
+                    )
+                    .await?;
+            }
+        }
+        "migrate" => {
+            let Some(vmi) = live else {
+                return Err(Failure::conflict(format!("VM {ns}/{name} is not running")));
+            };
+            if vmi.status.as_ref().and_then(|s| s.phase) != Some(VmiPhase::Running) {
+                return Err(Failure::conflict(format!(
+                    "VM {ns}/{name} is not Running yet; migrate it once it runs"
+                )));
+            }
+            let m = json!({
+                "apiVersion": "kubevirt.io/v1",
+                "kind": "VirtualMachineInstanceMigration",
+                "metadata": {"generateName": format!("{name}-migration-"), "namespace": ns},
+                "spec": {"vmiName": name},
+            });
+            let gk = GroupKind::new("kubevirt.io", "VirtualMachineInstanceMigration");
+            let created = store.create(&gk, &ns, m).await?;
+            return Ok(ok(json!({
+                "migration": created["metadata"]["name"],
+                "from": vmi.status.as_ref().and_then(|s| s.node_name.clone()),
+            })));
+        }
+        other => {
+            return Err(Failure::new(
+                404,
+                "NotFound",
+                format!("unknown virtual machine action {other:?} (start, stop, restart, migrate)"),
+            ));
+        }
+    }
+    Ok(ok(json!({})))
+}
+
+async fn request_state(
+    store: &Arc<dyn Store>,
+    ns: &str,
+    name: &str,
+    action: &str,
+) -> Result<(), Failure> {
+    store
+        .modify_typed(ns, name, UpdateScope::Status, |vm: &mut VirtualMachine| {
+            let st = vm.status.get_or_insert_with(Default::default);
+            st.state_change_requests
+                .get_or_insert_with(Vec::new)
+                .push(StateChangeRequest {
+                    action: action.to_string(),
+                    data: None,
+                    uid: None,
+                });
+        })
+        .await?;
+    Ok(())
+}
+
+async fn vmi_verb(
+    State(s): State<ClusterState>,
+    Path((ns, name, verb)): Path<(String, String, String)>,
+) -> Result<Response, Failure> {
+    if live_vmi(&s.store, &ns, &name).await?.is_none() {
+        return Err(Failure::not_found("virtualmachineinstance", &ns, &name));
+    }
+    match verb.as_str() {
+        "pause" | "unpause" => Err(Failure::new(
+            501,
+            "NotImplemented",
+            format!(
+                "{verb} is not supported yet: sheaf launchers have no pause/resume command \
+                 (the VMM can pause, the launcher protocol cannot ask it to)"
+            ),
+        )),
+        other => Err(Failure::new(
+            404,
+            "NotFound",
+            format!("unknown instance action {other:?} (pause, unpause, console)"),
+        )),
+    }
+}
+
+#[derive(Deserialize)]
+struct ConsoleQuery {
+    follow: Option<bool>,
+}
+
+/// Streams the serial console of an instance: what it printed so far, then
+/// (unless `follow=false`) new output until the instance ends or moves.
+async fn console(
+    State(s): State<ClusterState>,
+    Path((ns, name)): Path<(String, String)>,
+    Query(q): Query<ConsoleQuery>,
+) -> Result<Response, Failure> {
+    let Some(vmi) = live_vmi(&s.store, &ns, &name).await? else {
+        return Err(Failure::not_found("virtualmachineinstance", &ns, &name));
+    };
+    let uid = vmi.metadata.uid.clone().unwrap_or_default();
+    let Some(node) = vmi.status.as_ref().and_then(|s| s.node_name.clone()) else {
+        return Err(Failure::conflict(format!(
+            "instance {ns}/{name} is not scheduled yet"
+        )));
+    };
+    let node_dir = s.cluster.lock().await.node_dir(&node);
+    let live = node_dir.join("launchers").join(&uid).join("console.log");
+    let kept = node_dir
+        .join("launchers")
+        .join(format!("{uid}.console.log"));
+    let follow = q.follow.unwrap_or(true);
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    let store = s.store.clone();
+    tokio::spawn(async move {
+        let mut pos = 0u64;
+        let mut idle = 0u32;
+        loop {
+            let path = if live.exists() { &live } else { &kept };
+            if let Ok(data) = tokio::fs::read(path).await
+                && (data.len() as u64) > pos
+            {
+                let chunk = Bytes::copy_from_slice(&data[pos as usize..]);
+                pos = data.len() as u64;
+                if tx.send(chunk).await.is_err() {
+                    return;
+                }
+            }
+            if !follow || tx.is_closed() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            idle += 1;
+            if idle.is_multiple_of(10) {
+                // Stop when the instance is gone, replaced or finished.
+                match live_vmi(&store, &ns, &name).await {
+                    Ok(Some(v)) if v.metadata.uid.as_deref() == Some(uid.as_str()) => {}
+                    _ => {
+                        let _ = tx
+                            .send(Bytes::from_static(b"\r\n[sheaf: the instance ended]\r\n"))
+                            .await;
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    });
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/octet-stream")],
+        Body::from_stream(stream),
+    )
+        .into_response())
+}
+
+async fn node_verb(
+    State(s): State<ClusterState>,
+    Path((name, verb)): Path<(String, String)>,
+) -> Result<Response, Failure> {
+    let mut c = s.cluster.lock().await;
+    if !c.node_names().contains(&name) {
+        return Err(Failure::new(
+            404,
+            "NotFound",
+            format!(
+                "node {name:?} not found (nodes: {})",
+                c.node_names().join(", ")
+            ),
+        ));
+    }
+    match verb.as_str() {
+        "kill" => {
+            if c.agent(&name).is_none() {
+                return Err(Failure::conflict(format!("node {name} is already down")));
+            }
+            tracing::warn!(node = %name, "killing node on request (kill -9 of its processes)");
+            c.kill_node(&name)
+                .map_err(|e| Failure::new(500, "InternalError", e.to_string()))?;
+        }
+        "restart" => {
+            c.restart_node(&name)
+                .await
+                .map_err(|e| Failure::new(500, "InternalError", e.to_string()))?;
+        }
+        other => {
+            return Err(Failure::new(
+                404,
+                "NotFound",
+                format!("unknown node action {other:?} (kill, restart)"),
+            ));
+        }
+    }
+    Ok(ok(json!({"node": name, "action": verb})))
+}
+
+async fn import(
+    State(s): State<ClusterState>,
+    Path((ns, name)): Path<(String, String)>,
+    axum::Json(opts): axum::Json<ImportOptions>,
+) -> Result<Response, Failure> {
+    if !std::path::Path::new(&opts.image).is_absolute() {
+        return Err(Failure::new(
+            400,
+            "BadRequest",
+            format!("image path {:?} must be absolute", opts.image),
+        ));
+    }
+    let (tx, rx) = mpsc::channel::<ImportProgress>(64);
+    let secret_file = s.cluster.lock().await.secret_file().to_path_buf();
+    let store = s.store.clone();
+    let metrics = s.metrics.clone();
+    let tmp = s.data_dir.join("tmp");
+    tokio::spawn(async move {
+        let res = import_image(
+            &store,
+            &secret_file,
+            &tmp,
+            &ns,
+            &name,
+            &opts,
+            &metrics,
+            tx.clone(),
+        )
+        .await;
+        let last = match res {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(volume = %format!("{ns}/{name}"), error = %e, "image import failed");
+                ImportProgress::error(e.to_string())
+            }
+        };
+        let _ = tx.send(last).await;
+    });
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        let p = rx.recv().await?;
+        let mut line = serde_json::to_vec(&p).unwrap_or_default();
+        line.push(b'\n');
+        Some((Ok::<_, Infallible>(Bytes::from(line)), rx))
+    });
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/json-seq")],
+        Body::from_stream(stream),
+    )
+        .into_response())
+}

@@ -21,7 +21,7 @@ pub struct sheaf_vm {
 
 pub(crate) static VMS: Registry<VmHandle> = Registry::new(1, "sheaf_vm");
 
-fn vm(h: *const sheaf_vm) -> FfiResult<std::sync::Arc<VmHandle>> {
+fn get_vm(h: *const sheaf_vm) -> FfiResult<std::sync::Arc<VmHandle>> {
     VMS.get(to_token(h))
 }
 
@@ -166,14 +166,14 @@ pub extern "C" fn sheaf_vm_free(vm: *mut sheaf_vm) -> c_int {
 /// Sets the number of vCPUs (1–254). Only before start (else
 /// `SHEAF_ESTATE`), like every `sheaf_vm_set_*` / `add` / `attach` call.
 #[unsafe(no_mangle)]
-pub extern "C" fn sheaf_vm_set_vcpus(vm_: *mut sheaf_vm, vcpus: u32) -> c_int {
-    guard(|| Ok(vm(vm_)?.set_vcpus(vcpus)?))
+pub extern "C" fn sheaf_vm_set_vcpus(vm: *mut sheaf_vm, vcpus: u32) -> c_int {
+    guard(|| Ok(get_vm(vm)?.set_vcpus(vcpus)?))
 }
 
 /// Sets guest RAM in MiB (at least 16).
 #[unsafe(no_mangle)]
-pub extern "C" fn sheaf_vm_set_memory_mib(vm_: *mut sheaf_vm, mib: u64) -> c_int {
-    guard(|| Ok(vm(vm_)?.set_memory_mib(mib)?))
+pub extern "C" fn sheaf_vm_set_memory_mib(vm: *mut sheaf_vm, mib: u64) -> c_int {
+    guard(|| Ok(get_vm(vm)?.set_memory_mib(mib)?))
 }
 
 /// Sets the kernel image: an ELF (vmlinux, the probe guest) or a bzImage.
@@ -181,11 +181,11 @@ pub extern "C" fn sheaf_vm_set_memory_mib(vm_: *mut sheaf_vm, mib: u64) -> c_int
 /// # Safety
 /// `path` is a NUL-terminated string.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn sheaf_vm_set_kernel(vm_: *mut sheaf_vm, path: *const c_char) -> c_int {
+pub unsafe extern "C" fn sheaf_vm_set_kernel(vm: *mut sheaf_vm, path: *const c_char) -> c_int {
     guard(|| {
         // SAFETY: per the contract.
         let p = unsafe { str_arg(path, "path") }?;
-        Ok(vm(vm_)?.set_kernel(p.into())?)
+        Ok(get_vm(vm)?.set_kernel(p.into())?)
     })
 }
 
@@ -194,11 +194,11 @@ pub unsafe extern "C" fn sheaf_vm_set_kernel(vm_: *mut sheaf_vm, path: *const c_
 /// # Safety
 /// `path` is NULL or a NUL-terminated string.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn sheaf_vm_set_initramfs(vm_: *mut sheaf_vm, path: *const c_char) -> c_int {
+pub unsafe extern "C" fn sheaf_vm_set_initramfs(vm: *mut sheaf_vm, path: *const c_char) -> c_int {
     guard(|| {
         // SAFETY: per the contract.
         let p = unsafe { opt_str_arg(path, "path") }?;
-        Ok(vm(vm_)?.set_initramfs(p.map(Into::into))?)
+        Ok(get_vm(vm)?.set_initramfs(p.map(Into::into))?)
     })
 }
 
@@ -207,24 +207,24 @@ pub unsafe extern "C" fn sheaf_vm_set_initramfs(vm_: *mut sheaf_vm, path: *const
 /// # Safety
 /// `cmdline` is a NUL-terminated string.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn sheaf_vm_set_cmdline(vm_: *mut sheaf_vm, cmdline: *const c_char) -> c_int {
+pub unsafe extern "C" fn sheaf_vm_set_cmdline(vm: *mut sheaf_vm, cmdline: *const c_char) -> c_int {
     guard(|| {
         // SAFETY: per the contract.
         let c = unsafe { str_arg(cmdline, "cmdline") }?;
-        Ok(vm(vm_)?.set_cmdline(c)?)
+        Ok(get_vm(vm)?.set_cmdline(c)?)
     })
 }
 
 /// Sets the boot protocol: `SHEAF_BOOT_LINUX64` or `SHEAF_BOOT_PVH`.
 #[unsafe(no_mangle)]
-pub extern "C" fn sheaf_vm_set_boot_protocol(vm_: *mut sheaf_vm, protocol: u32) -> c_int {
+pub extern "C" fn sheaf_vm_set_boot_protocol(vm: *mut sheaf_vm, protocol: u32) -> c_int {
     guard(|| {
         let p = match protocol {
             SHEAF_BOOT_LINUX64 => parse_boot_protocol("linux64")?,
             SHEAF_BOOT_PVH => parse_boot_protocol("pvh")?,
             other => return Err(FfiError::invalid(format!("boot protocol {other} unknown"))),
         };
-        Ok(vm(vm_)?.set_boot_protocol(p)?)
+        Ok(get_vm(vm)?.set_boot_protocol(p)?)
     })
 }
 
@@ -232,8 +232,8 @@ pub extern "C" fn sheaf_vm_set_boot_protocol(vm_: *mut sheaf_vm, protocol: u32) 
 /// (`virtio_mmio.device=...`), for kernels without ACPI discovery and for
 /// the probe guest.
 #[unsafe(no_mangle)]
-pub extern "C" fn sheaf_vm_set_cmdline_virtio_devices(vm_: *mut sheaf_vm, on: bool) -> c_int {
-    guard(|| Ok(vm(vm_)?.set_cmdline_virtio_devices(on)?))
+pub extern "C" fn sheaf_vm_set_cmdline_virtio_devices(vm: *mut sheaf_vm, on: bool) -> c_int {
+    guard(|| Ok(get_vm(vm)?.set_cmdline_virtio_devices(on)?))
 }
 
 /// Adds a virtio-blk disk over a raw image file or block device (opened
@@ -244,14 +244,14 @@ pub extern "C" fn sheaf_vm_set_cmdline_virtio_devices(vm_: *mut sheaf_vm, on: bo
 /// `path` is a NUL-terminated string.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sheaf_vm_add_disk(
-    vm_: *mut sheaf_vm,
+    vm: *mut sheaf_vm,
     path: *const c_char,
     read_only: bool,
 ) -> c_int {
     guard(|| {
         // SAFETY: per the contract.
         let p = unsafe { str_arg(path, "path") }?;
-        Ok(vm(vm_)?.add_disk(p.into(), read_only, None)?)
+        Ok(get_vm(vm)?.add_disk(p.into(), read_only, None)?)
     })
 }
 
@@ -264,14 +264,14 @@ pub unsafe extern "C" fn sheaf_vm_add_disk(
 /// `id` is a NUL-terminated string.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sheaf_vm_attach_volume(
-    vm_: *mut sheaf_vm,
+    vm: *mut sheaf_vm,
     volume: *mut crate::volume::sheaf_volume,
     id: *const c_char,
 ) -> c_int {
     guard(|| {
         // SAFETY: per the contract.
         let id = unsafe { str_arg(id, "id") }?;
-        let h = vm(vm_)?;
+        let h = get_vm(vm)?;
         let v = VOLUMES.get(to_token(volume))?;
         Ok(h.attach_backend(v.backend(id)?)?)
     })
@@ -281,20 +281,20 @@ pub unsafe extern "C" fn sheaf_vm_attach_volume(
 /// configuration (missing kernel, bad memory size) are reported here, and
 /// the VM stays configurable.
 #[unsafe(no_mangle)]
-pub extern "C" fn sheaf_vm_start(vm_: *mut sheaf_vm) -> c_int {
-    guard(|| Ok(vm(vm_)?.start()?))
+pub extern "C" fn sheaf_vm_start(vm: *mut sheaf_vm) -> c_int {
+    guard(|| Ok(get_vm(vm)?.start()?))
 }
 
 /// Pauses: returns once every vCPU has left the guest.
 #[unsafe(no_mangle)]
-pub extern "C" fn sheaf_vm_pause(vm_: *mut sheaf_vm) -> c_int {
-    guard(|| Ok(vm(vm_)?.pause()?))
+pub extern "C" fn sheaf_vm_pause(vm: *mut sheaf_vm) -> c_int {
+    guard(|| Ok(get_vm(vm)?.pause()?))
 }
 
 /// Resumes a paused VM.
 #[unsafe(no_mangle)]
-pub extern "C" fn sheaf_vm_resume(vm_: *mut sheaf_vm) -> c_int {
-    guard(|| Ok(vm(vm_)?.resume()?))
+pub extern "C" fn sheaf_vm_resume(vm: *mut sheaf_vm) -> c_int {
+    guard(|| Ok(get_vm(vm)?.resume()?))
 }
 
 /// Stops the VM and waits until it stopped; writes why to `exit` (NULL to
@@ -303,9 +303,9 @@ pub extern "C" fn sheaf_vm_resume(vm_: *mut sheaf_vm) -> c_int {
 /// # Safety
 /// `exit` is NULL or valid for writing one `sheaf_exit`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn sheaf_vm_stop(vm_: *mut sheaf_vm, exit: *mut sheaf_exit) -> c_int {
+pub unsafe extern "C" fn sheaf_vm_stop(vm: *mut sheaf_vm, exit: *mut sheaf_exit) -> c_int {
     guard(|| {
-        let e = vm(vm_)?.stop();
+        let e = get_vm(vm)?.stop();
         // SAFETY: optional output per the contract.
         unsafe { put(exit, sheaf_exit::from(&e)) };
         Ok(())
@@ -321,7 +321,7 @@ pub unsafe extern "C" fn sheaf_vm_stop(vm_: *mut sheaf_vm, exit: *mut sheaf_exit
 /// `exit` is NULL or valid for writing one `sheaf_exit`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sheaf_vm_wait(
-    vm_: *mut sheaf_vm,
+    vm: *mut sheaf_vm,
     timeout_ms: i64,
     exit: *mut sheaf_exit,
 ) -> c_int {
@@ -329,7 +329,7 @@ pub unsafe extern "C" fn sheaf_vm_wait(
         // SAFETY: optional output per the contract.
         unsafe { put(exit, sheaf_exit::EMPTY) };
         let timeout = u64::try_from(timeout_ms).ok().map(Duration::from_millis);
-        match vm(vm_)?.wait(timeout)? {
+        match get_vm(vm)?.wait(timeout)? {
             Some(e) => {
                 // SAFETY: optional output per the contract.
                 unsafe { put(exit, sheaf_exit::from(&e)) };
@@ -349,11 +349,11 @@ pub unsafe extern "C" fn sheaf_vm_wait(
 /// # Safety
 /// `out` is valid for writing one `uint32_t`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn sheaf_vm_state(vm_: *mut sheaf_vm, out: *mut u32) -> c_int {
+pub unsafe extern "C" fn sheaf_vm_state(vm: *mut sheaf_vm, out: *mut u32) -> c_int {
     guard(|| {
         // SAFETY: per the contract.
         unsafe { out_arg(out, "out", SHEAF_VM_CREATED) }?;
-        let s = match vm(vm_)?.state() {
+        let s = match get_vm(vm)?.state() {
             "running" => SHEAF_VM_RUNNING,
             "paused" => SHEAF_VM_PAUSED,
             "stopped" => SHEAF_VM_STOPPED,
@@ -372,11 +372,11 @@ pub unsafe extern "C" fn sheaf_vm_state(vm_: *mut sheaf_vm, out: *mut u32) -> c_
 /// # Safety
 /// `out` is valid for writing one pointer.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn sheaf_vm_console(vm_: *mut sheaf_vm, out: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn sheaf_vm_console(vm: *mut sheaf_vm, out: *mut *mut c_char) -> c_int {
     guard(|| {
         // SAFETY: per the contract.
         unsafe { out_arg(out, "out", std::ptr::null_mut()) }?;
-        let bytes = vm(vm_)?.console();
+        let bytes = get_vm(vm)?.console();
         // SAFETY: checked above.
         unsafe { put_string(out, &String::from_utf8_lossy(&bytes)) };
         Ok(())
@@ -393,7 +393,7 @@ pub unsafe extern "C" fn sheaf_vm_console(vm_: *mut sheaf_vm, out: *mut *mut c_c
 /// `out_len` and `out_next` are valid for writing.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sheaf_vm_console_read(
-    vm_: *mut sheaf_vm,
+    vm: *mut sheaf_vm,
     pos: u64,
     buf: *mut u8,
     cap: usize,
@@ -407,7 +407,7 @@ pub unsafe extern "C" fn sheaf_vm_console_read(
         unsafe { out_arg(out_next, "out_next", pos) }?;
         // SAFETY: per the contract.
         let buf = unsafe { bytes_mut_arg(buf, cap, "buf") }?;
-        let (data, end) = vm(vm_)?.console_read(pos);
+        let (data, end) = get_vm(vm)?.console_read(pos);
         let start = end - data.len() as u64;
         let n = data.len().min(buf.len());
         buf[..n].copy_from_slice(&data[..n]);
@@ -429,7 +429,7 @@ pub unsafe extern "C" fn sheaf_vm_console_read(
 /// valid for writing.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn sheaf_vm_serial_input(
-    vm_: *mut sheaf_vm,
+    vm: *mut sheaf_vm,
     data: *const u8,
     len: usize,
     out_accepted: *mut usize,
@@ -437,7 +437,7 @@ pub unsafe extern "C" fn sheaf_vm_serial_input(
     guard(|| {
         // SAFETY: per the contract.
         let d = unsafe { bytes_arg(data, len, "data") }?;
-        let n = vm(vm_)?.serial_input(d)?;
+        let n = get_vm(vm)?.serial_input(d)?;
         // SAFETY: optional output per the contract.
         unsafe { put(out_accepted, n) };
         Ok(())
@@ -451,11 +451,11 @@ pub unsafe extern "C" fn sheaf_vm_serial_input(
 /// # Safety
 /// `out` is valid for writing one pointer.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn sheaf_vm_metrics_json(vm_: *mut sheaf_vm, out: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn sheaf_vm_metrics_json(vm: *mut sheaf_vm, out: *mut *mut c_char) -> c_int {
     guard(|| {
         // SAFETY: per the contract.
         unsafe { out_arg(out, "out", std::ptr::null_mut()) }?;
-        let m = vm(vm_)?.metrics();
+        let m = get_vm(vm)?.metrics();
         let s =
             serde_json::to_string(&m).map_err(|e| FfiError::invalid(format!("metrics: {e}")))?;
         // SAFETY: checked above.
@@ -470,11 +470,11 @@ pub unsafe extern "C" fn sheaf_vm_metrics_json(vm_: *mut sheaf_vm, out: *mut *mu
 /// # Safety
 /// `out` is valid for writing one pointer.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn sheaf_vm_config_json(vm_: *mut sheaf_vm, out: *mut *mut c_char) -> c_int {
+pub unsafe extern "C" fn sheaf_vm_config_json(vm: *mut sheaf_vm, out: *mut *mut c_char) -> c_int {
     guard(|| {
         // SAFETY: per the contract.
         unsafe { out_arg(out, "out", std::ptr::null_mut()) }?;
-        let s = vm(vm_)?.config_json()?;
+        let s = get_vm(vm)?.config_json()?;
         // SAFETY: checked above.
         unsafe { put_string(out, &s) };
         Ok(())

@@ -206,6 +206,17 @@ pub extern "C" fn sheaf_volume_flush(vol: *mut sheaf_volume) -> c_int {
     guard(|| Ok(volume(vol)?.flush()?))
 }
 
+/// Waits up to `timeout_ms` until every replica is in sync (opening
+/// returns once a write quorum is; the others catch up by a background
+/// rebuild). `SHEAF_ETIMEDOUT` if they do not.
+#[unsafe(no_mangle)]
+pub extern "C" fn sheaf_volume_wait_in_sync(vol: *mut sheaf_volume, timeout_ms: u32) -> c_int {
+    guard(|| {
+        volume(vol)?.wait_in_sync(Duration::from_millis(u64::from(timeout_ms)))?;
+        Ok(())
+    })
+}
+
 /// The engine status as JSON: `phase`, `epoch`, `size_bytes`, `replicas`,
 /// `active` and `rebuilding` (replica indexes), `rebuilds_done`,
 /// `repairs`. Free with `sheaf_string_free`.

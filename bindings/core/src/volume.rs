@@ -264,6 +264,27 @@ impl VolumeHandle {
         })
     }
 
+    /// Waits until every configured replica is in sync (attach returns once
+    /// a write quorum is; the rest join by a rebuild in the background).
+    /// Returns the final status, or a `Timeout` error.
+    pub fn wait_in_sync(&self, timeout: Duration) -> Result<VolumeStatus> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            let st = self.status()?;
+            if st.active.len() == st.replicas {
+                return Ok(st);
+            }
+            if std::time::Instant::now() >= deadline {
+                tracing::debug!(?st, "replicas not in sync in time");
+                return Err(Error::Timeout {
+                    op: "wait for replicas in sync",
+                    ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// A virtio-blk backend for a sheaf-vmm VM, serving this volume with
     /// device id `id` (at most 20 bytes). It keeps the volume attached for as
     /// long as the VM holds it.
@@ -472,8 +493,10 @@ mod tests {
         v.write(4096 * 3 + 7, &data).expect("write");
         v.flush().expect("flush");
         assert_eq!(v.read(4096 * 3 + 7, data.len()).expect("read"), data);
-        let st = v.status().expect("status");
+        assert!(v.status().expect("status").active.len() >= 2);
+        let st = v.wait_in_sync(Duration::from_secs(20)).expect("in sync");
         assert_eq!(st.active, vec![0, 1, 2], "{st:?}");
+        assert_eq!(v.read(4096 * 3 + 7, data.len()).expect("read"), data);
         drop(v);
         // A wrong secret cannot attach.
         let bad = OpenOptions {

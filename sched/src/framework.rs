@@ -178,6 +178,14 @@ struct Entry {
     id: TypeId,
     value: Box<AnyData>,
     clone: fn(&AnyData) -> Box<AnyData>,
+    clone_into: fn(&AnyData, &mut AnyData),
+}
+
+fn clone_into_as<T: StateData>(src: &AnyData, dst: &mut AnyData) {
+    match (src.downcast_ref::<T>(), dst.downcast_mut::<T>()) {
+        (Some(s), Some(d)) => d.clone_from(s),
+        _ => unreachable!("entry types match their TypeIds"),
+    }
 }
 
 fn clone_as<T: StateData>(v: &AnyData) -> Box<AnyData> {
@@ -205,6 +213,7 @@ impl CycleState {
                 id,
                 value: boxed,
                 clone: clone_as::<T>,
+                clone_into: clone_into_as::<T>,
             }),
         }
     }
@@ -244,8 +253,27 @@ impl Clone for CycleState {
                     id: e.id,
                     value: (e.clone)(&*e.value),
                     clone: e.clone,
+                    clone_into: e.clone_into,
                 })
                 .collect(),
+        }
+    }
+
+    /// Reuses `self`'s boxes when it holds the same types in the same order
+    /// (preemption copies the state once per candidate).
+    fn clone_from(&mut self, source: &Self) {
+        let same = self.entries.len() == source.entries.len()
+            && self
+                .entries
+                .iter()
+                .zip(&source.entries)
+                .all(|(a, b)| a.id == b.id);
+        if !same {
+            *self = source.clone();
+            return;
+        }
+        for (d, s) in self.entries.iter_mut().zip(&source.entries) {
+            (s.clone_into)(&*s.value, &mut *d.value);
         }
     }
 }
@@ -286,6 +314,14 @@ pub trait PreFilterPlugin: Send + Sync {
 
     /// Preemption simulates removing `vm` from `node`: update the state.
     fn remove_vm(&self, _cx: &Ctx<'_>, _state: &mut CycleState, _vm: &VmInfo, _node: &NodeInfo) {}
+
+    /// Whether `add_vm`/`remove_vm` change this plugin's state. Return
+    /// `false` only if both are no-ops: when no active pre-filter needs
+    /// them, preemption evaluates candidates on the cycle state itself
+    /// instead of a copy per candidate.
+    fn tracks_vms(&self) -> bool {
+        true
+    }
 }
 
 /// Extension point run per node: can the VM run there?
@@ -298,7 +334,9 @@ pub trait FilterPlugin: Send + Sync {
     /// each `i` with `out[i] == None` (still passing), sets `out[i]` to the
     /// reason `slots[i]` fails, and leaves entries already `Some` alone. Must
     /// give the same answers as [`filter`](Self::filter) on
-    /// `cx.snapshot.node_at(slot)`. The scheduler calls this in its main
+    /// `cx.snapshot.node_at(slot)`. Only nodes inside every `Nodes` list
+    /// the pre-filters returned this cycle are given (so a plugin whose list
+    /// is exact may pass them all). The scheduler calls this in its main
     /// loop (preemption calls `filter` on modified copies); the default
     /// calls `filter` per node. Built-ins override it to read their cycle
     /// state once per batch instead of once per node.
@@ -356,6 +394,12 @@ impl FilterChain<'_> {
             f.filter(cx, state, node)?;
         }
         Ok(())
+    }
+
+    /// Whether any active pre-filter keeps state that `add_vm`/`remove_vm`
+    /// change (see [`PreFilterPlugin::tracks_vms`]).
+    pub fn tracks_vms(&self) -> bool {
+        self.pre_filters.iter().any(|p| p.tracks_vms())
     }
 
     /// Tells every pre-filter that `vm` was added to `node`.

@@ -532,17 +532,20 @@ impl Scheduler {
 struct ScoreCache {
     /// Resources of the requests the current epoch's entries were scored for.
     want: Resources,
-    /// Bumped whenever `want` changes (entries of older epochs are stale).
-    epoch: u64,
+    /// Bumped whenever `want` changes (entries of older epochs are stale);
+    /// never 0 once scoring started.
+    epoch: u32,
     entries: Vec<CacheEntry>,
 }
 
+/// 16 bytes, so the cache of 5,000 nodes stays small.
 #[derive(Clone, Copy, Debug, Default)]
 struct CacheEntry {
     /// Node stamp scored (0 = empty; stamps are never 0).
     stamp: u64,
-    epoch: u64,
-    score: i64,
+    epoch: u32,
+    /// Only scores that fit are cached.
+    score: i32,
 }
 
 /// Scratch buffers for a batch's cache misses.
@@ -557,7 +560,12 @@ impl ScoreCache {
     fn begin(&mut self, want: Resources, slots: usize) {
         if want != self.want || self.epoch == 0 {
             self.want = want;
-            self.epoch += 1;
+            self.epoch = self.epoch.wrapping_add(1);
+            if self.epoch == 0 {
+                // Wrapped: forget everything rather than trust old epochs.
+                self.entries.fill(CacheEntry::default());
+                self.epoch = 1;
+            }
         }
         if self.entries.len() < slots {
             self.entries.resize(slots, CacheEntry::default());
@@ -577,11 +585,11 @@ impl ScoreCache {
     ) {
         m.slots.clear();
         m.at.clear();
-        let nodes = &cx.snapshot.nodes;
+        let stamps = &cx.snapshot.stamps;
         for (i, (&slot, o)) in batch.iter().zip(out.iter_mut()).enumerate() {
             let e = &self.entries[slot as usize];
-            if e.stamp == nodes[slot as usize].stamp && e.epoch == self.epoch {
-                *o = e.score;
+            if e.stamp == stamps[slot as usize] && e.epoch == self.epoch {
+                *o = i64::from(e.score);
             } else {
                 m.slots.push(slot);
                 m.at.push(i);
@@ -595,11 +603,13 @@ impl ScoreCache {
         s.score_batch(cx, state, m.slots, m.scores);
         for ((&slot, &i), &v) in m.slots.iter().zip(m.at.iter()).zip(m.scores.iter()) {
             out[i] = v;
-            self.entries[slot as usize] = CacheEntry {
-                stamp: nodes[slot as usize].stamp,
-                epoch: self.epoch,
-                score: v,
-            };
+            if let Ok(score) = i32::try_from(v) {
+                self.entries[slot as usize] = CacheEntry {
+                    stamp: stamps[slot as usize],
+                    epoch: self.epoch,
+                    score,
+                };
+            }
         }
     }
 }

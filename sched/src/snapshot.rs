@@ -66,11 +66,6 @@ pub struct NodeInfo {
     /// instead of dividing per node.
     pub(crate) inv_allocatable: (f64, f64),
     pub(crate) requested: Resources,
-    /// Changes (to a process-wide unique value) whenever `requested`,
-    /// `allocatable`, `vm_count` or `max_vms` change, so scores that depend
-    /// only on those can be cached per node (see
-    /// [`ScorePlugin::resources_only`](crate::framework::ScorePlugin::resources_only)).
-    pub(crate) stamp: u64,
     /// Shared so that preemption's per-candidate copies are cheap.
     pub(crate) taints: Arc<[TaintInfo]>,
     /// Shared so that preemption's per-candidate copies are cheap.
@@ -126,10 +121,42 @@ impl NodeInfo {
         &self.vms
     }
 
+    /// Makes `self` a copy of `other`, reusing `self`'s buffers (preemption
+    /// simulates evictions on one such copy per candidate).
+    pub(crate) fn copy_from(&mut self, other: &NodeInfo) {
+        let NodeInfo {
+            slot,
+            alive,
+            unschedulable,
+            vm_count,
+            max_vms,
+            allocatable,
+            inv_allocatable,
+            requested,
+            taints,
+            labels,
+            zone,
+            vms,
+            spec,
+        } = other;
+        self.slot = *slot;
+        self.alive = *alive;
+        self.unschedulable = *unschedulable;
+        self.vm_count = *vm_count;
+        self.max_vms = *max_vms;
+        self.allocatable = *allocatable;
+        self.inv_allocatable = *inv_allocatable;
+        self.requested = *requested;
+        self.taints.clone_from(taints);
+        self.labels.clone_from(labels);
+        self.zone = *zone;
+        self.vms.clone_from(vms);
+        self.spec.clone_from(spec);
+    }
+
     pub(crate) fn remove_vm_usage(&mut self, vm: &VmInfo) {
         self.requested = self.requested.saturating_sub(vm.resources);
         self.vm_count = self.vm_count.saturating_sub(1);
-        self.stamp = new_stamp();
         if let Some(i) = self.vms.iter().position(|&v| v == vm.id) {
             self.vms.swap_remove(i);
         }
@@ -138,7 +165,6 @@ impl NodeInfo {
     pub(crate) fn add_vm_usage(&mut self, vm: &VmInfo) {
         self.requested = self.requested.saturating_add(vm.resources);
         self.vm_count += 1;
-        self.stamp = new_stamp();
         self.vms.push(vm.id);
     }
 }
@@ -211,6 +237,11 @@ pub(crate) struct AntiGroup {
 pub struct ClusterSnapshot {
     pub(crate) interner: Interner,
     pub(crate) nodes: Vec<NodeInfo>,
+    /// Per node slot: changes (to a process-wide unique value) whenever the
+    /// node's `requested`, `allocatable`, `vm_count` or `max_vms` change, so
+    /// scores that depend only on those can be cached per node (see
+    /// [`ScorePlugin::resources_only`](crate::framework::ScorePlugin::resources_only)).
+    pub(crate) stamps: Vec<u64>,
     free_slots: Vec<u32>,
     by_name: HashMap<String, u32>,
     live_nodes: u32,
@@ -321,7 +352,6 @@ impl ClusterSnapshot {
                     allocatable: Resources::default(),
                     inv_allocatable: (0.0, 0.0),
                     requested: Resources::default(),
-                    stamp: 0,
                     taints: Arc::from([]),
                     labels: Arc::from([]),
                     zone: None,
@@ -331,6 +361,7 @@ impl ClusterSnapshot {
                 for c in &mut self.columns {
                     c.domain_of.push(NO_DOMAIN);
                 }
+                self.stamps.push(0);
                 s
             }
         };
@@ -340,7 +371,6 @@ impl ClusterSnapshot {
         info.alive = true;
         info.vm_count = 0;
         info.requested = Resources::default();
-        info.stamp = new_stamp();
         info.vms.clear();
         self.attach_spec(slot, node);
         Ok(())
@@ -434,6 +464,7 @@ impl ClusterSnapshot {
             anti_groups,
         };
         self.nodes[slot as usize].add_vm_usage(&vm);
+        self.stamps[slot as usize] = new_stamp();
         self.vm_by_name.insert(vm.name.clone(), id);
         self.vms[id as usize] = Some(vm);
         Ok(())
@@ -561,6 +592,7 @@ impl ClusterSnapshot {
             decrement(&mut self.anti_groups[g as usize].per_node, slot);
         }
         self.nodes[slot as usize].remove_vm_usage(&vm);
+        self.stamps[slot as usize] = new_stamp();
         Some(vm)
     }
 
@@ -631,7 +663,7 @@ impl ClusterSnapshot {
         n.unschedulable = node.unschedulable;
         n.max_vms = node.max_vms;
         n.allocatable = node.allocatable_resources();
-        n.stamp = new_stamp();
+        self.stamps[slot as usize] = new_stamp();
         let inv = |v: u64| if v == 0 { 0.0 } else { 1.0 / v as f64 };
         n.inv_allocatable = (
             inv(n.allocatable.cpu_millis),

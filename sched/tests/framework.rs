@@ -344,3 +344,70 @@ fn json_round_trips() {
         serde_json::from_str(r#"{"volume": "v", "size_bytes": 10, "replicas": 3}"#).unwrap();
     assert_eq!(rr.replicas, 3);
 }
+
+/// Spreads by used CPU (raw score = free CPU after placing, in percent of
+/// allocatable); `cached` declares it resource-only so the scheduler caches
+/// its raw scores per node.
+#[derive(Debug)]
+struct Pack {
+    cached: bool,
+}
+
+impl Plugin for Pack {
+    fn name(&self) -> &str {
+        "Pack"
+    }
+    fn as_score(&self) -> Option<&dyn ScorePlugin> {
+        Some(self)
+    }
+}
+
+impl ScorePlugin for Pack {
+    fn score(&self, cx: &Ctx<'_>, _: &CycleState, node: &NodeInfo) -> i64 {
+        let used = node.requested().cpu_millis + cx.request.resources.cpu_millis;
+        let cap = node.allocatable().cpu_millis.max(1);
+        100 - i64::try_from(used.min(cap) * 100 / cap).unwrap()
+    }
+    fn resources_only(&self) -> bool {
+        self.cached
+    }
+}
+
+#[test]
+fn cached_resource_scores_follow_node_changes() {
+    // Same sequence of binds, unbinds, node updates and request sizes with
+    // and without the raw-score cache: every placement must be identical.
+    let run = |cached: bool| {
+        let profile = Profile::new("p")
+            .with_plugin(
+                Arc::new(sheaf_sched::plugins::NodeResourcesFit::default()),
+                0,
+            )
+            .with_plugin(Arc::new(Pack { cached }), 1)
+            .percentage_of_nodes_to_score(Some(100));
+        let mut sched = Scheduler::with_profiles(vec![profile]).unwrap();
+        let mut s = snap(8);
+        let mut out = Vec::new();
+        for i in 0..60u64 {
+            let cpu = [100, 100, 300, 100, 700][(i % 5) as usize];
+            let r = Request::new(format!("v{i}"), cpu, GIB / 4);
+            out.push(sched.schedule(&mut s, &r).map(|p| p.node).ok());
+            if i % 7 == 3 {
+                s.unbind(&format!("v{}", i - 2)).unwrap();
+            }
+            if i % 11 == 5 {
+                let n = format!("n{}", i % 8);
+                s.update_node(Node::new(n, 4_000 + 500 * i, 8 * GIB))
+                    .unwrap();
+            }
+            if i == 30 {
+                s.remove_node("n2").unwrap();
+                s.add_node(Node::new("n9", 16_000, 8 * GIB)).unwrap();
+            }
+        }
+        out
+    };
+    let (plain, cached) = (run(false), run(true));
+    assert_eq!(plain, cached);
+    assert!(plain.iter().flatten().count() > 50);
+}

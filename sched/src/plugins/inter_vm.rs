@@ -74,6 +74,13 @@ impl TermCounts {
         (d != NO_DOMAIN).then(|| self.counts.get(d))
     }
 
+    /// Domain of `slot` in the term's column, if the node has the key.
+    #[inline]
+    fn domain(&self, snap: &ClusterSnapshot, slot: u32) -> Option<u32> {
+        let d = snap.columns[self.col?].domain_of[slot as usize];
+        (d != NO_DOMAIN).then_some(d)
+    }
+
     fn adjust(&mut self, snap: &ClusterSnapshot, slot: u32, add: bool) {
         let Some(col) = self.col else { return };
         let d = snap.columns[col].domain_of[slot as usize];
@@ -245,19 +252,21 @@ impl FilterState {
     #[inline]
     fn check(&self, snap: &ClusterSnapshot, slot: u32) -> Result<(), Reason> {
         for t in &self.existing {
-            if t.at(snap, slot).unwrap_or(0) > 0 {
+            if t.domain(snap, slot).is_some_and(|d| t.counts.positive(d)) {
                 return Err(Reason::ExistingAntiAffinity);
             }
         }
         for t in &self.anti {
-            if t.at(snap, slot).unwrap_or(0) > 0 {
+            if t.domain(snap, slot).is_some_and(|d| t.counts.positive(d)) {
                 return Err(Reason::VmAntiAffinity);
             }
         }
         for t in &self.affinity {
-            match t.at(snap, slot) {
+            match t.domain(snap, slot) {
                 None => return Err(Reason::VmAffinityMismatch),
-                Some(0) if !self.affinity_self_ok => return Err(Reason::VmAffinityMismatch),
+                Some(d) if !self.affinity_self_ok && !t.counts.positive(d) => {
+                    return Err(Reason::VmAffinityMismatch);
+                }
                 _ => {}
             }
         }

@@ -49,7 +49,13 @@ const DENSE_MAX_DOMAINS: usize = 256;
 #[derive(Clone, Debug)]
 pub(crate) enum DomainCounts {
     Dense(Vec<u32>),
-    Sparse(Vec<(u32, u32)>),
+    Sparse {
+        /// Sorted `(domain, count)` pairs with `count > 0`.
+        pairs: Vec<(u32, u32)>,
+        /// Bit `d` set when domain `d` has a count: filters test it without
+        /// a search.
+        nonzero: Vec<u64>,
+    },
 }
 
 impl DomainCounts {
@@ -63,13 +69,32 @@ impl DomainCounts {
         }
         pairs.sort_unstable();
         let mut out: Vec<(u32, u32)> = Vec::with_capacity(pairs.len());
+        let mut nonzero = vec![0u64; domains.div_ceil(64)];
         for (d, n) in pairs {
+            if n > 0 {
+                nonzero[d as usize / 64] |= 1 << (d % 64);
+            }
             match out.last_mut() {
                 Some(last) if last.0 == d => last.1 += n,
                 _ => out.push((d, n)),
             }
         }
-        DomainCounts::Sparse(out)
+        out.retain(|p| p.1 > 0);
+        DomainCounts::Sparse {
+            pairs: out,
+            nonzero,
+        }
+    }
+
+    /// Whether domain `d` has a non-zero count.
+    #[inline]
+    pub(crate) fn positive(&self, d: u32) -> bool {
+        match self {
+            DomainCounts::Dense(v) => v.get(d as usize).is_some_and(|&c| c > 0),
+            DomainCounts::Sparse { nonzero, .. } => nonzero
+                .get(d as usize / 64)
+                .is_some_and(|w| w & (1 << (d % 64)) != 0),
+        }
     }
 
     /// Count in domain `d`.
@@ -77,7 +102,7 @@ impl DomainCounts {
     pub(crate) fn get(&self, d: u32) -> u32 {
         match self {
             DomainCounts::Dense(v) => v.get(d as usize).copied().unwrap_or(0),
-            DomainCounts::Sparse(v) => v
+            DomainCounts::Sparse { pairs: v, .. } => v
                 .binary_search_by_key(&d, |&(x, _)| x)
                 .map_or(0, |i| v[i].1),
         }
@@ -91,17 +116,27 @@ impl DomainCounts {
                     *c = if add { *c + 1 } else { c.saturating_sub(1) };
                 }
             }
-            DomainCounts::Sparse(v) => match v.binary_search_by_key(&d, |&(x, _)| x) {
-                Ok(i) if add => v[i].1 += 1,
-                Ok(i) => {
-                    v[i].1 = v[i].1.saturating_sub(1);
-                    if v[i].1 == 0 {
-                        v.remove(i);
+            DomainCounts::Sparse { pairs: v, nonzero } => {
+                match v.binary_search_by_key(&d, |&(x, _)| x) {
+                    Ok(i) if add => v[i].1 += 1,
+                    Ok(i) => {
+                        v[i].1 = v[i].1.saturating_sub(1);
+                        if v[i].1 == 0 {
+                            v.remove(i);
+                        }
+                    }
+                    Err(i) if add => v.insert(i, (d, 1)),
+                    Err(_) => return,
+                }
+                let positive = v.binary_search_by_key(&d, |&(x, _)| x).is_ok();
+                if let Some(w) = nonzero.get_mut(d as usize / 64) {
+                    if positive {
+                        *w |= 1 << (d % 64);
+                    } else {
+                        *w &= !(1 << (d % 64));
                     }
                 }
-                Err(i) if add => v.insert(i, (d, 1)),
-                Err(_) => {}
-            },
+            }
         }
     }
 
@@ -109,7 +144,7 @@ impl DomainCounts {
     pub(crate) fn into_dense(self, domains: usize) -> Vec<u32> {
         match self {
             DomainCounts::Dense(v) => v,
-            DomainCounts::Sparse(pairs) => {
+            DomainCounts::Sparse { pairs, .. } => {
                 let mut v = vec![0u32; domains];
                 for (d, n) in pairs {
                     v[d as usize] += n;
@@ -237,19 +272,23 @@ mod tests {
             pairs.iter().copied().filter(|p| p.0 < 256).collect(),
         );
         let mut sparse = DomainCounts::from_pairs(1000, pairs);
-        assert!(matches!(sparse, DomainCounts::Sparse(_)));
+        assert!(matches!(sparse, DomainCounts::Sparse { .. }));
         assert!(matches!(dense, DomainCounts::Dense(_)));
         for d in [3, 7, 0, 255] {
             assert_eq!(dense.get(d), sparse.get(d), "{d}");
+            assert_eq!(dense.positive(d), sparse.positive(d), "{d}");
         }
+        assert!(sparse.positive(300) && !sparse.positive(301) && !sparse.positive(5000));
         assert_eq!(sparse.get(7), 5);
         assert_eq!(sparse.get(300), 1);
         sparse.adjust(300, false);
         assert_eq!(sparse.get(300), 0);
+        assert!(!sparse.positive(300));
         sparse.adjust(300, false);
         sparse.adjust(5, true);
         sparse.adjust(5, true);
         assert_eq!(sparse.get(5), 2);
+        assert!(sparse.positive(5));
         let v = sparse.into_dense(1000);
         assert_eq!((v[3], v[5], v[7], v[300]), (2, 2, 5, 0));
     }

@@ -63,6 +63,13 @@ impl RequiredNodeAffinity {
                 || self.terms.iter().any(|t| t.matches(&node.labels, interner)))
     }
 
+    /// True when [`candidates`](Self::candidates) lists exactly the
+    /// matching nodes (only `key In (values)` requirements, no terms), so
+    /// the candidates need no further check.
+    fn candidates_exact(&self) -> bool {
+        self.terms.is_empty() && self.selector.reqs.iter().all(|r| matches!(r, CReq::In(..)))
+    }
+
     /// Candidate node slots from the label index (`None`: no narrowing).
     fn candidates(&self, snap: &ClusterSnapshot) -> Option<Vec<u32>> {
         let mut out: Option<Vec<u32>> = None;
@@ -132,6 +139,14 @@ fn intersect(a: &[u32], b: &[u32]) -> Vec<u32> {
     out
 }
 
+/// The pre-filter's state.
+#[derive(Clone, Debug)]
+struct Required {
+    req: RequiredNodeAffinity,
+    /// The pre-filter narrowed to exactly the matching nodes.
+    exact: bool,
+}
+
 #[derive(Clone, Debug, Default)]
 struct Preferred(Vec<(i64, CSelector)>);
 
@@ -165,13 +180,18 @@ impl Plugin for NodeAffinity {
 }
 
 impl PreFilterPlugin for NodeAffinity {
+    fn tracks_vms(&self) -> bool {
+        false
+    }
+
     fn pre_filter(&self, cx: &Ctx<'_>, state: &mut CycleState) -> Result<PreFilterResult, Reason> {
         let req = RequiredNodeAffinity::compile(cx.interner(), cx.request);
         if req.is_empty() {
             return Ok(PreFilterResult::Skip);
         }
         let cand = req.candidates(cx.snapshot);
-        state.write(req);
+        let exact = cand.is_some() && req.candidates_exact();
+        state.write(Required { req, exact });
         Ok(match cand {
             Some(slots) => PreFilterResult::Nodes {
                 slots,
@@ -185,8 +205,8 @@ impl PreFilterPlugin for NodeAffinity {
 impl FilterPlugin for NodeAffinity {
     #[inline]
     fn filter(&self, cx: &Ctx<'_>, state: &CycleState, node: &NodeInfo) -> Result<(), Reason> {
-        match state.read::<RequiredNodeAffinity>() {
-            Some(r) if !r.matches(node, cx.interner()) => Err(Reason::NodeAffinityMismatch),
+        match state.read::<Required>() {
+            Some(r) if !r.req.matches(node, cx.interner()) => Err(Reason::NodeAffinityMismatch),
             _ => Ok(()),
         }
     }
@@ -198,9 +218,14 @@ impl FilterPlugin for NodeAffinity {
         slots: &[u32],
         out: &mut [Option<Reason>],
     ) {
-        let Some(r) = state.read::<RequiredNodeAffinity>() else {
+        let Some(Required { req: r, exact }) = state.read::<Required>() else {
             return;
         };
+        if *exact {
+            // Only candidates from the index reach the batch filter, and
+            // they all match.
+            return;
+        }
         let interner = cx.interner();
         for_pending(cx.snapshot, slots, out, |n| {
             if r.matches(n, interner) {

@@ -29,6 +29,10 @@ impl Plugin for NodeName {
 }
 
 impl PreFilterPlugin for NodeName {
+    fn tracks_vms(&self) -> bool {
+        false
+    }
+
     fn pre_filter(&self, cx: &Ctx<'_>, _: &mut CycleState) -> Result<PreFilterResult, Reason> {
         let Some(name) = &cx.request.node_name else {
             return Ok(PreFilterResult::Skip);

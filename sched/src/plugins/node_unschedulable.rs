@@ -30,6 +30,10 @@ impl Plugin for NodeUnschedulable {
 }
 
 impl PreFilterPlugin for NodeUnschedulable {
+    fn tracks_vms(&self) -> bool {
+        false
+    }
+
     fn pre_filter(&self, cx: &Ctx<'_>, _: &mut CycleState) -> Result<PreFilterResult, Reason> {
         let tolerated = cx.request.tolerations.iter().any(|t| {
             let key_ok = match t.operator {

@@ -14,7 +14,7 @@ use crate::error::{ReasonCount, join_reasons, sort_reasons};
 use crate::framework::{
     Ctx, CycleState, FilterChain, Nomination, Plugin, PostFilterPlugin, Reason,
 };
-use crate::snapshot::VmInfo;
+use crate::snapshot::{NodeInfo, VmInfo};
 use crate::types::PreemptionPolicy;
 
 /// The preemption post-filter.
@@ -73,6 +73,11 @@ impl PostFilterPlugin for DefaultPreemption {
         let mut best: Option<(Key, Nomination)> = None;
         let (mut found, mut not_helpful, mut no_victims) = (0usize, 0u32, 0u32);
         let mut lower: Vec<&VmInfo> = Vec::new();
+        // One simulated node and (when a pre-filter tracks VMs) one state
+        // copy, reused across candidates.
+        let tracking = chain.tracks_vms();
+        let mut sim: Option<NodeInfo> = None;
+        let mut copy: Option<CycleState> = None;
         for (slot, reason) in failed {
             if found >= want {
                 break;
@@ -93,28 +98,62 @@ impl PostFilterPlugin for DefaultPreemption {
                 no_victims += 1;
                 continue;
             }
-            let mut sim = node.clone();
-            let mut st = state.clone();
+            let sim = match &mut sim {
+                Some(s) => {
+                    s.copy_from(node);
+                    s
+                }
+                None => sim.insert(node.clone()),
+            };
+            let mut st = if tracking {
+                Some(match &mut copy {
+                    Some(c) => {
+                        c.clone_from(state);
+                        c
+                    }
+                    None => copy.insert(state.clone()),
+                })
+            } else {
+                None
+            };
             for v in &lower {
                 sim.remove_vm_usage(v);
-                chain.remove_vm(cx, &mut st, v, &sim);
+                if let Some(st) = st.as_deref_mut() {
+                    chain.remove_vm(cx, st, v, sim);
+                }
             }
-            if chain.run(cx, &st, &sim).is_err() {
+            if chain.run(cx, st.as_deref().unwrap_or(state), sim).is_err() {
                 no_victims += 1;
+                continue;
+            }
+            found += 1;
+            // At least one VM must go (with all of them back the node fails
+            // as before), so with non-negative priorities the key is at
+            // least (lowest priority, lowest priority, 1). A candidate that
+            // cannot beat the best so far (ties keep the earlier one) needs
+            // no reprieve pass.
+            let low = lower.iter().map(|v| v.priority).min().unwrap_or(i32::MIN);
+            if low >= 0
+                && let Some((k, _)) = &best
+                && *k <= (low, i64::from(low), 1)
+            {
                 continue;
             }
             lower.sort_by(|a, b| b.priority.cmp(&a.priority).then(a.seq.cmp(&b.seq)));
             let mut victims: Vec<&VmInfo> = Vec::new();
             for v in &lower {
                 sim.add_vm_usage(v);
-                chain.add_vm(cx, &mut st, v, &sim);
-                if chain.run(cx, &st, &sim).is_err() {
+                if let Some(st) = st.as_deref_mut() {
+                    chain.add_vm(cx, st, v, sim);
+                }
+                if chain.run(cx, st.as_deref().unwrap_or(state), sim).is_err() {
                     sim.remove_vm_usage(v);
-                    chain.remove_vm(cx, &mut st, v, &sim);
+                    if let Some(st) = st.as_deref_mut() {
+                        chain.remove_vm(cx, st, v, sim);
+                    }
                     victims.push(v);
                 }
             }
-            found += 1;
             let key: Key = (
                 victims.iter().map(|v| v.priority).max().unwrap_or(i32::MIN),
                 victims.iter().map(|v| i64::from(v.priority)).sum(),

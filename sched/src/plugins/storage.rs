@@ -61,6 +61,10 @@ impl Plugin for StorageLocality {
 }
 
 impl PreFilterPlugin for StorageLocality {
+    fn tracks_vms(&self) -> bool {
+        false
+    }
+
     fn pre_filter(&self, cx: &Ctx<'_>, state: &mut CycleState) -> Result<PreFilterResult, Reason> {
         if cx.request.data_locality != DataLocality::StrictLocal {
             return Ok(PreFilterResult::Skip);

@@ -97,6 +97,10 @@ impl Plugin for TaintToleration {
 }
 
 impl PreFilterPlugin for TaintToleration {
+    fn tracks_vms(&self) -> bool {
+        false
+    }
+
     fn pre_filter(&self, cx: &Ctx<'_>, state: &mut CycleState) -> Result<PreFilterResult, Reason> {
         state.write(compile(cx.interner(), &cx.request.tolerations));
         Ok(PreFilterResult::Continue)

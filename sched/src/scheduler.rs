@@ -658,9 +658,10 @@ impl FilterRun<'_, '_> {
             for f in self.filters {
                 f.filter_batch(self.cx, self.state, self.chunk, self.results);
             }
-            for (&s, r) in self.chunk.iter().zip(self.results.drain(..)) {
+            self.failed.reserve(self.chunk.len());
+            for (&s, r) in self.chunk.iter().zip(self.results.iter_mut()) {
                 evaluated += 1;
-                match r {
+                match r.take() {
                     None => {
                         self.feasible.push(s);
                         if self.feasible.len() >= self.to_find {

@@ -13,6 +13,7 @@
 //!   agent       node agent: heartbeats, launchers, replica servers (NodeAgent)
 //!   cluster     a control plane and N nodes in one process (LocalCluster)
 //!   audit       offline epoch audit of replica stores
+//!   kube        (feature `kube`) KubeStore over a Kubernetes API server, CRDs, deploy/ manifests
 //! ```
 #![warn(missing_docs)]
 
@@ -21,6 +22,8 @@ pub mod api;
 pub mod audit;
 pub mod cluster;
 pub mod controllers;
+#[cfg(feature = "kube")]
+pub mod kube;
 pub mod launcher;
 pub mod resources;
 pub mod runtime;

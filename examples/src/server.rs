@@ -350,9 +350,18 @@ async fn console(
     Path((ns, name)): Path<(String, String)>,
     Query(q): Query<ConsoleQuery>,
 ) -> Result<Response, Failure> {
-    let Some(vmi) = live_vmi(&s.store, &ns, &name).await? else {
-        return Err(Failure::not_found("virtualmachineinstance", &ns, &name));
+    // A finished instance still has its console (printed, not followed).
+    let vmi: VirtualMachineInstance = match s.store.get_typed(&ns, &name).await {
+        Ok(v) => v,
+        Err(StoreError::NotFound { .. }) => {
+            return Err(Failure::not_found("virtualmachineinstance", &ns, &name));
+        }
+        Err(e) => return Err(e.into()),
     };
+    let finished = matches!(
+        vmi.status.as_ref().and_then(|s| s.phase),
+        Some(VmiPhase::Succeeded | VmiPhase::Failed)
+    );
     let uid = vmi.metadata.uid.clone().unwrap_or_default();
     let Some(node) = vmi.status.as_ref().and_then(|s| s.node_name.clone()) else {
         return Err(Failure::conflict(format!(
@@ -364,7 +373,7 @@ async fn console(
     let kept = node_dir
         .join("launchers")
         .join(format!("{uid}.console.log"));
-    let follow = q.follow.unwrap_or(true);
+    let follow = q.follow.unwrap_or(true) && !finished;
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     let store = s.store.clone();
     tokio::spawn(async move {

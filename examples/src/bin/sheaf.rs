@@ -177,6 +177,17 @@ enum ImageCmd {
         #[arg(long, default_value_t = 8)]
         records: u64,
     },
+    /// Prepare a Linux guest for QEMU (examples/vm-linux.yaml): the host's
+    /// Debian cloud kernel and a busybox initramfs as DIR/vmlinuz and
+    /// DIR/initrd.img, plus DIR/disk.img carrying a marker the guest answers.
+    Linux {
+        /// Directory the manifest's `kernelBoot.container.image` names.
+        #[arg(default_value = "/var/lib/sheaf/linux-guest")]
+        dir: PathBuf,
+        /// Marker written on the disk.
+        #[arg(long, default_value = "hello-from-sheaf")]
+        marker: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -419,6 +430,30 @@ async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::R
         println!(
             "Wrote {} ({size_mib} MiB raw, {records} probe log records)",
             file.display()
+        );
+        return Ok(());
+    }
+    if let Cmd::Image {
+        cmd: ImageCmd::Linux { dir, marker },
+    } = &cmd
+    {
+        std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
+        let img = sheaf_testkit::guest::GuestImage::build().context(
+            "building the Linux guest image (scripts/setup installs the kernel and busybox)",
+        )?;
+        for (src, name) in [(&img.kernel, "vmlinuz"), (&img.initramfs, "initrd.img")] {
+            let dst = dir.join(name);
+            let _ = std::fs::remove_file(&dst);
+            std::fs::copy(src, &dst)
+                .with_context(|| format!("{} -> {}", src.display(), dst.display()))?;
+        }
+        let disk = dir.join("disk.img");
+        sheaf_testkit::guest::create_disk(&disk, 16 << 20, marker)
+            .with_context(|| format!("{}", disk.display()))?;
+        println!(
+            "Linux guest {} in {}: vmlinuz, initrd.img, disk.img (marker {marker:?})",
+            img.kernel_version,
+            dir.display()
         );
         return Ok(());
     }

@@ -74,10 +74,29 @@ enum Cmd {
         /// Zone label of the node.
         #[arg(long)]
         zone: Option<String>,
+        /// CPU offered to VMs, millicores (default: all host CPUs).
+        #[arg(long)]
+        cpu_millis: Option<u64>,
+        /// Memory offered to VMs, bytes (default: host MemTotal).
+        #[arg(long)]
+        memory_bytes: Option<u64>,
+        /// Space offered to volume replicas, bytes.
+        #[arg(long, default_value_t = 64 << 30)]
+        storage_bytes: u64,
         /// Kubeconfig (default: in-cluster, then $KUBECONFIG, ~/.kube/config).
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
     },
+}
+
+/// Host memory from `/proc/meminfo` (`MemTotal`, kB).
+fn host_memory_bytes() -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .context("no MemTotal in /proc/meminfo")
 }
 
 async fn connect(kubeconfig: Option<&Path>) -> anyhow::Result<Arc<dyn Store>> {
@@ -140,12 +159,27 @@ async fn main() -> anyhow::Result<()> {
             secret_file,
             replica_host,
             zone,
+            cpu_millis,
+            memory_bytes,
+            storage_bytes,
             kubeconfig,
         } => {
             let store = connect(kubeconfig.as_deref()).await?;
             let mut cfg = NodeAgentConfig::new(&node, data_dir, launcher, secret_file);
             cfg.replica_host = replica_host;
             cfg.zone = zone;
+            cfg.cpu_millis = match cpu_millis {
+                Some(m) => m,
+                None => {
+                    let n = std::thread::available_parallelism().context("counting host CPUs")?;
+                    u64::try_from(n.get()).unwrap_or(1) * 1000
+                }
+            };
+            cfg.memory_bytes = match memory_bytes {
+                Some(b) => b,
+                None => host_memory_bytes()?,
+            };
+            cfg.storage_bytes = storage_bytes;
             let agent = NodeAgent::start(cfg, store).await?;
             tracing::info!(%node, "node agent running");
             until_signal().await?;

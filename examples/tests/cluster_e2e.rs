@@ -5,7 +5,8 @@
 //! and its serial console shows the imported records; `sheaf node drain`
 //! moves it; `sheaf node kill` fails it over and the new guest finds every
 //! record the old one acknowledged; `/metrics` and `sheaf status` report it;
-//! SIGTERM stops the cluster with no process left.
+//! SIGTERM stops the cluster with no process left, and `up` again on the
+//! same data brings the VM back with its disk.
 #![allow(clippy::unwrap_used)]
 
 use std::io::{BufRead, BufReader};
@@ -23,7 +24,10 @@ struct Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        // SAFETY: signalling our own child process.
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return; // already reaped: its pid may belong to someone else now
+        }
+        // SAFETY: signalling our own, not yet reaped, child process.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let _ = self.child.wait();
     }
@@ -140,6 +144,30 @@ fn found(c: &str) -> Option<u64> {
             .parse()
             .ok()
     })
+}
+
+/// The last `log: found N records` (a console may hold several boots).
+fn last_found(c: &str) -> Option<u64> {
+    c.lines()
+        .filter_map(|l| {
+            l.trim()
+                .strip_prefix("log: found ")?
+                .strip_suffix(" records")?
+                .parse()
+                .ok()
+        })
+        .last()
+}
+
+fn stop(mut c: Cluster) {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(c.child.id() as i32, libc::SIGTERM) };
+    let st = c.child.wait().unwrap();
+    assert!(st.success());
+    std::thread::sleep(Duration::from_millis(200));
+    let out = c.out.lock().unwrap().clone();
+    assert!(out.contains("no sheaf process left running"), "{out}");
+    assert!(!c.dir.join("sheaf.pid").exists());
 }
 
 fn vmi_node(dir: &Path) -> String {
@@ -271,14 +299,18 @@ fn cluster_end_to_end() {
     );
 
     // SIGTERM: everything stops.
-    let mut c = c;
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(c.child.id() as i32, libc::SIGTERM) };
-    let st = c.child.wait().unwrap();
-    assert!(st.success());
-    std::thread::sleep(Duration::from_millis(200));
-    let out = c.out.lock().unwrap().clone();
-    assert!(out.contains("no sheaf process left running"), "{out}");
-    assert!(!c.dir.join("sheaf.pid").exists());
+    let acked = *acks(&ok(&dir, &["console", "demo", "--no-follow"]))
+        .iter()
+        .max()
+        .unwrap();
+    stop(c);
+
+    // `up` again on the same data: the VM comes back with its disk.
+    let c = up(&dir);
+    let c4 = wait_console(&dir, "the restarted guest's log scan", |c| {
+        last_found(c).is_some_and(|f| f > acked)
+    });
+    assert!(!c4.contains("CORRUPT"), "{c4}");
+    stop(c);
     eprintln!("cluster end to end: {:.1} s", t0.elapsed().as_secs_f64());
 }

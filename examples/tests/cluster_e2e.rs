@@ -148,15 +148,13 @@ fn found(c: &str) -> Option<u64> {
 
 /// The last `log: found N records` (a console may hold several boots).
 fn last_found(c: &str) -> Option<u64> {
-    c.lines()
-        .filter_map(|l| {
-            l.trim()
-                .strip_prefix("log: found ")?
-                .strip_suffix(" records")?
-                .parse()
-                .ok()
-        })
-        .last()
+    c.lines().rev().find_map(|l| {
+        l.trim()
+            .strip_prefix("log: found ")?
+            .strip_suffix(" records")?
+            .parse()
+            .ok()
+    })
 }
 
 fn stop(mut c: Cluster) {

@@ -261,10 +261,24 @@ impl ApiClient {
     pub async fn stream(
         &self,
         path: &str,
+        f: impl FnMut(&[u8]) -> bool,
+    ) -> Result<(), ClientError> {
+        self.stream_request("GET", path, None, Bytes::new(), f)
+            .await
+    }
+
+    /// Sends a request and streams the answer's body chunk by chunk into
+    /// `f` (a non-2xx answer becomes [`ClientError::Status`]).
+    pub async fn stream_request(
+        &self,
+        method: &str,
+        path: &str,
+        content_type: Option<&str>,
+        body: Bytes,
         mut f: impl FnMut(&[u8]) -> bool,
     ) -> Result<(), ClientError> {
         let mut s = self.open().await?;
-        let req = self.request("GET", path, None, Bytes::new())?;
+        let req = self.request(method, path, content_type, body)?;
         let resp = s.send_request(req).await.map_err(|e| self.connect_err(e))?;
         let status = resp.status().as_u16();
         let mut body = resp.into_body();

@@ -716,25 +716,47 @@ async fn image_import(
         .progress_chars("=> "),
     );
     bar.set_message("starting");
-    // The import answers with JSON lines; the same connection carries them.
+    // The import answers with JSON lines, streamed as it goes.
     let path = format!("/apis/subresources.sheaf.dev/v1/namespaces/{ns}/volumes/{name}/import");
-    let r = c
-        .send("POST", &path, Some("application/json"), Bytes::from(body))
-        .await?;
-    if !(200..300).contains(&r.status) {
-        bar.finish_and_clear();
-        return Err(sheaf_examples::client::status_error(r.status, &r.body).into());
-    }
-    // `send` reads the whole body; the lines arrive in order.
     let mut last: Option<ImportProgress> = None;
-    for line in r.body.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
-        let p: ImportProgress = serde_json::from_slice(line)?;
-        if p.total > 0 {
-            bar.set_length(p.total);
-            bar.set_position(p.done);
-        }
-        bar.set_message(p.phase.clone());
-        last = Some(p);
+    let mut pending: Vec<u8> = Vec::new();
+    let mut bad: Option<String> = None;
+    let res = c
+        .stream_request(
+            "POST",
+            &path,
+            Some("application/json"),
+            Bytes::from(body),
+            |chunk| {
+                pending.extend_from_slice(chunk);
+                while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = pending.drain(..=nl).collect();
+                    match serde_json::from_slice::<ImportProgress>(&line) {
+                        Ok(p) => {
+                            if p.total > 0 {
+                                bar.set_length(p.total);
+                                bar.set_position(p.done);
+                            }
+                            bar.set_message(p.phase.clone());
+                            last = Some(p);
+                        }
+                        Err(e) => {
+                            bad = Some(format!("bad progress line: {e}"));
+                            return false;
+                        }
+                    }
+                }
+                true
+            },
+        )
+        .await;
+    if let Err(e) = res {
+        bar.finish_and_clear();
+        return Err(e.into());
+    }
+    if let Some(b) = bad {
+        bar.abandon_with_message("failed");
+        bail!("{b}");
     }
     match last {
         Some(p) if p.phase == "done" => {

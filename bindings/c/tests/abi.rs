@@ -100,16 +100,12 @@ fn console_tail_and_state_errors() {
     assert_eq!(state, SHEAF_VM_CREATED);
     // Waiting for a VM that never started is a state error.
     // SAFETY: NULL exit is allowed.
-    assert_eq!(
-        unsafe { sheaf_vm_wait(vm, 0, ptr::null_mut()) },
-        SHEAF_ESTATE
-    );
+    let rc = unsafe { sheaf_vm_wait(vm, 0, ptr::null_mut()) };
+    assert_eq!(rc, SHEAF_ESTATE);
     assert_eq!(sheaf_vm_start(vm), SHEAF_OK, "{}", last_error());
     // SAFETY: NULL exit is allowed.
-    assert_eq!(
-        unsafe { sheaf_vm_wait(vm, 60_000, ptr::null_mut()) },
-        SHEAF_OK
-    );
+    let rc = unsafe { sheaf_vm_wait(vm, 60_000, ptr::null_mut()) };
+    assert_eq!(rc, SHEAF_OK);
     // Tail the console in small pieces.
     let mut all = Vec::new();
     let mut pos = 0u64;

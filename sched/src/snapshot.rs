@@ -6,6 +6,8 @@
 //!  ├── nodes: Vec<NodeInfo>            slot-indexed; free slots are reused
 //!  │     requested / allocatable / vm count (precomputed, updated on bind)
 //!  │     labels + taints as interned symbols, VM ids on the node
+//!  ├── stamps: Vec<u64>                per node slot, changes with its resources
+//!  │                                    (key of the scheduler's score cache)
 //!  ├── vms: Vec<Option<VmInfo>>        slot-indexed bound VMs
 //!  ├── columns: Vec<TopoColumn>        one per node label key:
 //!  │     domain_of[node slot] -> dense domain id (zone, hostname, rack...)

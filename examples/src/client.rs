@@ -251,6 +251,21 @@ impl ApiClient {
         serde_json::from_slice(&r.body).map_err(|e| ClientError::Protocol(e.to_string()))
     }
 
+    /// Sends a body as is; a non-2xx answer becomes [`ClientError::Status`].
+    pub async fn send_checked(
+        &self,
+        method: &str,
+        path: &str,
+        content_type: &str,
+        body: Bytes,
+    ) -> Result<Reply, ClientError> {
+        let r = self.send(method, path, Some(content_type), body).await?;
+        if !(200..300).contains(&r.status) {
+            return Err(status_error(r.status, &r.body));
+        }
+        Ok(r)
+    }
+
     /// GET as JSON.
     pub async fn get(&self, path: &str) -> Result<Value, ClientError> {
         self.json("GET", path, None).await

@@ -7,6 +7,7 @@
 //!   PUT  /apis/subresources.kubevirt.io/v1/namespaces/N/virtualmachines/V/{start,stop,restart,migrate}
 //!   PUT  /apis/subresources.kubevirt.io/v1/namespaces/N/virtualmachineinstances/V/{pause,unpause}
 //!   GET  /apis/subresources.kubevirt.io/v1/namespaces/N/virtualmachineinstances/V/console[?follow=false]
+//!   POST /apis/subresources.kubevirt.io/v1/namespaces/N/virtualmachineinstances/V/console   body: serial input bytes
 //!   POST /apis/subresources.sheaf.dev/v1/nodes/NODE/{kill,restart}
 //!   POST /apis/subresources.sheaf.dev/v1/namespaces/N/volumes/V/import   {"image": path, ...}
 //! ```
@@ -29,6 +30,8 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sheaf_orchestrator::cluster::LocalCluster;
+use sheaf_orchestrator::launcher::files as launcher_files;
+use sheaf_orchestrator::launcher::{LauncherCommand, LauncherStatus};
 use sheaf_orchestrator::resources::kubevirt::StateChangeRequest;
 use sheaf_orchestrator::resources::{
     RunStrategy, VirtualMachine, VirtualMachineInstance, VmiPhase,
@@ -128,7 +131,7 @@ pub fn routes(state: ClusterState) -> Router {
         )
         .route(
             &format!("{KV}/virtualmachineinstances/{{name}}/console"),
-            get(console),
+            get(console).post(console_input),
         )
         .route(
             &format!("{KV}/virtualmachineinstances/{{name}}/{{verb}}"),
@@ -314,28 +317,129 @@ async fn request_state(
     Ok(())
 }
 
+/// The running instance `ns/name` and its launcher directory; 404 when
+/// neither the instance nor its VM exists, 409 when it does not run.
+async fn running_vmi(s: &ClusterState, ns: &str, name: &str) -> Result<PathBuf, Failure> {
+    let Some(vmi) = live_vmi(&s.store, ns, name).await? else {
+        return match s.store.get_typed::<VirtualMachine>(ns, name).await {
+            Ok(_) => Err(Failure::conflict(format!("VM {ns}/{name} is not running"))),
+            Err(StoreError::NotFound { .. }) => {
+                Err(Failure::not_found("virtualmachineinstance", ns, name))
+            }
+            Err(e) => Err(e.into()),
+        };
+    };
+    let st = vmi.status.as_ref();
+    let node = st.and_then(|s| s.node_name.clone());
+    let (Some(VmiPhase::Running), Some(node)) = (st.and_then(|s| s.phase), node) else {
+        return Err(Failure::conflict(format!(
+            "VM {ns}/{name} is not running yet (instance phase {:?})",
+            st.and_then(|s| s.phase)
+        )));
+    };
+    let uid = vmi.metadata.uid.clone().unwrap_or_default();
+    let node_dir = s.cluster.lock().await.node_dir(&node);
+    Ok(node_dir.join("launchers").join(uid))
+}
+
+fn launcher_err(e: impl std::fmt::Display) -> Failure {
+    Failure::new(
+        503,
+        "ServiceUnavailable",
+        format!("the VM's launcher does not answer: {e}"),
+    )
+}
+
+/// Sends `cmd` on the launcher's control socket and waits for its outcome.
+async fn launcher_command(
+    dir: &std::path::Path,
+    cmd: LauncherCommand,
+    vm: &str,
+) -> Result<(), Failure> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let sock = sheaf_orchestrator::launcher::connect(dir)
+        .await
+        .map_err(launcher_err)?;
+    let (r, mut w) = sock.into_split();
+    let mut lines = BufReader::new(r).lines();
+    let mut next = async || -> Result<LauncherStatus, Failure> {
+        let line = tokio::time::timeout(Duration::from_secs(15), lines.next_line())
+            .await
+            .map_err(|_| launcher_err("timed out"))?
+            .map_err(launcher_err)?
+            .ok_or_else(|| launcher_err("it closed the connection (the VM ended)"))?;
+        serde_json::from_str(&line).map_err(launcher_err)
+    };
+    let first = next().await?;
+    match (cmd, first.paused) {
+        (LauncherCommand::Pause, true) => {
+            return Err(Failure::conflict(format!("VM {vm} is already paused")));
+        }
+        (LauncherCommand::Resume, false) => {
+            return Err(Failure::conflict(format!("VM {vm} is not paused")));
+        }
+        _ => {}
+    }
+    let mut line = serde_json::to_vec(&cmd).map_err(launcher_err)?;
+    line.push(b'\n');
+    w.write_all(&line).await.map_err(launcher_err)?;
+    loop {
+        let st = next().await?;
+        if st.commands > first.commands {
+            return match st.command_error {
+                None => Ok(()),
+                Some(e) if e.contains("already paused") || e.contains("not paused") => {
+                    Err(Failure::conflict(format!("VM {vm}: {e}")))
+                }
+                Some(e) => Err(Failure::new(
+                    500,
+                    "InternalError",
+                    format!("{cmd:?} of VM {vm} failed: {e}"),
+                )),
+            };
+        }
+    }
+}
+
 async fn vmi_verb(
     State(s): State<ClusterState>,
     Path((ns, name, verb)): Path<(String, String, String)>,
 ) -> Result<Response, Failure> {
-    if live_vmi(&s.store, &ns, &name).await?.is_none() {
-        return Err(Failure::not_found("virtualmachineinstance", &ns, &name));
-    }
-    match verb.as_str() {
-        "pause" | "unpause" => Err(Failure::new(
-            501,
-            "NotImplemented",
-            format!(
-                "{verb} is not supported yet: sheaf launchers have no pause/resume command \
-                 (the VMM can pause, the launcher protocol cannot ask it to)"
-            ),
-        )),
-        other => Err(Failure::new(
-            404,
-            "NotFound",
-            format!("unknown instance action {other:?} (pause, unpause, console)"),
-        )),
-    }
+    let cmd = match verb.as_str() {
+        "pause" => LauncherCommand::Pause,
+        "unpause" => LauncherCommand::Resume,
+        other => {
+            return Err(Failure::new(
+                404,
+                "NotFound",
+                format!("unknown instance action {other:?} (pause, unpause, console)"),
+            ));
+        }
+    };
+    let dir = running_vmi(&s, &ns, &name).await?;
+    launcher_command(&dir, cmd, &format!("{ns}/{name}")).await?;
+    // The node agent sets the `Paused` condition from the launcher's status.
+    Ok(ok(json!({})))
+}
+
+/// Types the request body into the instance's serial console.
+async fn console_input(
+    State(s): State<ClusterState>,
+    Path((ns, name)): Path<(String, String)>,
+    body: Bytes,
+) -> Result<Response, Failure> {
+    use tokio::io::AsyncWriteExt;
+    let dir = running_vmi(&s, &ns, &name).await?;
+    let mut sock = tokio::net::UnixStream::connect(dir.join(launcher_files::CONSOLE_INPUT))
+        .await
+        .map_err(|e| {
+            Failure::conflict(format!(
+                "VM {ns}/{name} takes no console input (its runtime has none): {e}"
+            ))
+        })?;
+    sock.write_all(&body).await.map_err(launcher_err)?;
+    sock.shutdown().await.map_err(launcher_err)?;
+    Ok(ok(json!({"bytes": body.len()})))
 }
 
 #[derive(Deserialize)]

@@ -6,7 +6,8 @@
 //! moves it; `sheaf node kill` fails it over and the new guest finds every
 //! record the old one acknowledged; `/metrics` and `sheaf status` report it;
 //! SIGTERM stops the cluster with no process left, and `up` again on the
-//! same data brings the VM back with its disk.
+//! same data brings the VM back with its disk. `sheaf pause`/`unpause`
+//! stop and resume the guest (condition `Paused`).
 #![allow(clippy::unwrap_used)]
 
 use std::io::{BufRead, BufReader};
@@ -177,6 +178,73 @@ fn vmi_node(dir: &Path) -> String {
     .to_string()
 }
 
+/// Acks on complete console lines (a paused guest may leave half a line).
+fn done_acks(c: &str) -> usize {
+    acks(&c[..c.rfind('\n').map_or(0, |i| i + 1)]).len()
+}
+
+fn paused_condition(dir: &Path) -> String {
+    kubectl(
+        dir,
+        &[
+            "get",
+            "vmi",
+            "demo",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Paused\")].status}",
+        ],
+    )
+    .trim()
+    .to_string()
+}
+
+fn wait_paused_condition(dir: &Path, want: &str) {
+    let t0 = Instant::now();
+    while paused_condition(dir) != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "Paused condition never became {want:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `sheaf pause` stops the guest (no new records, condition Paused=True),
+/// `sheaf unpause` lets it go on; the wrong-state and unknown-VM errors;
+/// bytes typed into the console reach the launcher.
+fn pause_unpause(dir: &Path) {
+    let out = ok(dir, &["pause", "demo"]);
+    assert!(out.contains("was paused"), "{out}");
+    wait_paused_condition(dir, "True");
+    let before = done_acks(&ok(dir, &["console", "demo", "--no-follow"]));
+    let (good, out) = sheaf(dir, &["pause", "demo"]);
+    assert!(!good && out.contains("already paused"), "{out}");
+    std::thread::sleep(Duration::from_millis(2500));
+    let after = done_acks(&ok(dir, &["console", "demo", "--no-follow"]));
+    assert_eq!(before, after, "a paused guest made progress");
+    let out = ok(dir, &["unpause", "demo"]);
+    assert!(out.contains("was unpaused"), "{out}");
+    wait_paused_condition(dir, "");
+    wait_console(dir, "acks after unpause", |c| done_acks(c) > after);
+    let (good, out) = sheaf(dir, &["unpause", "demo"]);
+    assert!(!good && out.contains("not paused"), "{out}");
+    let (good, out) = sheaf(dir, &["pause", "nosuch"]);
+    assert!(!good && out.contains("not found"), "{out}");
+    // Serial input: the launcher takes the bytes (the probe guest ignores them).
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client =
+        sheaf_examples::client::ApiClient::from_kubeconfig(&dir.join("admin.kubeconfig")).unwrap();
+    let r = rt
+        .block_on(client.send_checked(
+            "POST",
+            "/apis/subresources.kubevirt.io/v1/namespaces/default/virtualmachineinstances/demo/console",
+            "application/octet-stream",
+            bytes::Bytes::from_static(b"hi\r"),
+        ))
+        .unwrap();
+    assert!(String::from_utf8_lossy(&r.body).contains("\"bytes\":3"));
+}
+
 #[test]
 fn cluster_end_to_end() {
     if !Path::new("/dev/kvm").exists() {
@@ -247,6 +315,7 @@ fn cluster_end_to_end() {
     assert!(!good && out.contains("already running"), "{out}");
     let (good, out) = sheaf(&dir, &["stop", "nosuch"]);
     assert!(!good && out.contains("not found"), "{out}");
+    pause_unpause(&dir);
 
     // Drain: the VM moves and still has its data.
     let out = ok(&dir, &["node", "drain", &node1]);

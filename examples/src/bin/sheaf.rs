@@ -559,7 +559,12 @@ async fn vmi_verb(c: &ApiClient, ns: &str, vm: &str, verb: &str) -> anyhow::Resu
         Some(("application/json", &json!({}))),
     )
     .await?;
-    println!("VMI {ns}/{vm} was scheduled to {verb}");
+    let done = if verb == "pause" {
+        "paused"
+    } else {
+        "unpaused"
+    };
+    println!("VMI {ns}/{vm} was {done}");
     Ok(())
 }
 
@@ -640,30 +645,59 @@ impl Drop for RawMode {
 }
 
 async fn console(c: &ApiClient, ns: &str, vm: &str, follow: bool) -> anyhow::Result<()> {
-    let path = format!(
-        "{}/virtualmachineinstances/{vm}/console?follow={follow}",
-        kv(ns)
-    );
+    let base = format!("{}/virtualmachineinstances/{vm}/console", kv(ns));
+    let path = format!("{base}?follow={follow}");
     let (quit_tx, mut quit_rx) = tokio::sync::oneshot::channel::<()>();
     let raw = if follow {
-        eprintln!(
-            "Connected to {ns}/{vm}'s serial console (output only: the launcher does not \
-             forward input yet). Escape sequence: Ctrl-]"
-        );
         let raw = RawMode::enter();
-        if raw.0.is_some() {
-            std::thread::spawn(move || {
-                let mut b = [0u8; 1];
-                loop {
-                    // SAFETY: reading one byte from stdin into a local buffer.
-                    let n = unsafe { libc::read(0, b.as_mut_ptr().cast(), 1) };
-                    if n <= 0 || b[0] == 0x1d {
-                        let _ = quit_tx.send(());
-                        return;
-                    }
+        eprintln!(
+            "Connected to {ns}/{vm}'s serial console. Escape sequence: Ctrl-]{}",
+            if raw.0.is_some() { "\r" } else { "" }
+        );
+        // Keystrokes (raw mode) or piped input go to the guest's serial port.
+        let (in_tx, mut in_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+        let tty = raw.0.is_some();
+        std::thread::spawn(move || {
+            let mut b = [0u8; 256];
+            loop {
+                // SAFETY: reading from stdin into a local buffer of its length.
+                let n = unsafe { libc::read(0, b.as_mut_ptr().cast(), b.len()) };
+                let Ok(n) = usize::try_from(n) else { break };
+                if n == 0 {
+                    break;
                 }
-            });
-        }
+                let data = &b[..n];
+                if let Some(i) = data.iter().position(|&c| c == 0x1d) {
+                    let _ = in_tx.send(data[..i].to_vec());
+                    let _ = quit_tx.send(());
+                    return;
+                }
+                if in_tx.send(data.to_vec()).is_err() {
+                    return;
+                }
+            }
+            // EOF: a terminal's EOF ends the session; piped input just ends.
+            if tty {
+                let _ = quit_tx.send(());
+            }
+        });
+        let c2 = c.clone();
+        tokio::spawn(async move {
+            while let Some(mut data) = in_rx.recv().await {
+                while let Ok(more) = in_rx.try_recv() {
+                    data.extend(more);
+                }
+                if data.is_empty() {
+                    continue;
+                }
+                if let Err(e) = c2
+                    .send_checked("POST", &base, "application/octet-stream", data.into())
+                    .await
+                {
+                    eprint!("\r\n[sheaf: input not delivered: {e}]\r\n");
+                }
+            }
+        });
         raw
     } else {
         RawMode(None)

@@ -204,6 +204,9 @@ async fn follow(shared: Arc<Shared>, uid: String, key: ObjectKey, dir: PathBuf, 
                 phase: LauncherPhase::Exited,
                 disks: Vec::new(),
                 exit: None,
+                paused: false,
+                commands: 0,
+                command_error: None,
             });
             s.phase = LauncherPhase::Exited;
             s.exit = Some(VmExit {

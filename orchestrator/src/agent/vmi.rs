@@ -80,6 +80,9 @@ fn launcher_state(shared: &Shared, uid: &str) -> Launcher {
             phase: LauncherPhase::Exited,
             disks: Vec::new(),
             exit: None,
+            paused: false,
+            commands: 0,
+            command_error: None,
         })),
         Some(e) => match &e.status {
             Some(s) if s.phase == LauncherPhase::Running => Launcher::Running(s.clone()),
@@ -344,6 +347,18 @@ impl Reconciler for AgentVmiReconciler {
                 set_phase(s, VmiPhase::Running);
                 s.reason = None;
                 set_condition(&mut s.conditions, "Ready", ConditionStatus::True, "", "");
+                // KubeVirt's `Paused` condition: present while paused.
+                if st.paused {
+                    set_condition(
+                        &mut s.conditions,
+                        "Paused",
+                        ConditionStatus::True,
+                        "PausedByUser",
+                        "VMI was paused by user",
+                    );
+                } else {
+                    remove_condition(&mut s.conditions, "Paused");
+                }
                 if v.status != vmi.status {
                     store.update_typed(&v, UpdateScope::Status).await?;
                 }
@@ -365,6 +380,9 @@ impl Reconciler for AgentVmiReconciler {
                         success: false,
                         reason: "launcher lost".into(),
                     }),
+                    paused: false,
+                    commands: 0,
+                    command_error: None,
                 };
                 self.report_exit(&vmi, &st).await?;
             }

@@ -10,6 +10,7 @@
 //!     control.sock   the agent connects: status lines out, commands in
 //!     status.json    last status, rewritten atomically on every change
 //!     console.log    the guest's serial console
+//!     console.sock   bytes written here go to the guest's serial input
 //!     launcher.log   the launcher's own log
 //! ```
 //!
@@ -37,6 +38,9 @@ pub mod files {
     pub const STATUS: &str = "status.json";
     /// The guest console.
     pub const CONSOLE: &str = "console.log";
+    /// The guest's serial input (a unix stream socket; every byte a client
+    /// writes is typed into the guest's serial port).
+    pub const CONSOLE_INPUT: &str = "console.sock";
     /// The launcher's log.
     pub const LOG: &str = "launcher.log";
 }

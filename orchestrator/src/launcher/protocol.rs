@@ -106,6 +106,16 @@ pub struct LauncherStatus {
     /// How the VM ended (phase `Exited`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit: Option<VmExit>,
+    /// The guest's vCPUs are paused (phase stays `Running`).
+    #[serde(default)]
+    pub paused: bool,
+    /// Commands handled so far: a client that sent one waits for this to
+    /// grow, then reads `command_error`.
+    #[serde(default)]
+    pub commands: u64,
+    /// Why the last command failed (`None`: it succeeded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command_error: Option<String>,
 }
 
 impl LauncherStatus {
@@ -126,9 +136,14 @@ impl LauncherStatus {
     }
 }
 
-/// A command from the agent.
+/// A command from the agent (or any client of `control.sock`), one JSON
+/// line each (`"Stop"`, `"Pause"`, `"Resume"`).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LauncherCommand {
     /// Stop the VM, detach the volumes, exit.
     Stop,
+    /// Pause the guest's vCPUs (status `paused: true`).
+    Pause,
+    /// Resume a paused guest.
+    Resume,
 }

@@ -23,7 +23,9 @@ use tracing::{info, warn};
 
 use super::files;
 use super::protocol::{DiskStatus, LaunchSpec, LauncherCommand, LauncherPhase, LauncherStatus};
-use crate::runtime::{self, AttachedDisk, ConsoleLog, RunningVm, RuntimeContext, VmExit};
+use crate::runtime::{
+    self, AttachedDisk, ConsoleInput, ConsoleLog, RunningVm, RuntimeContext, VmExit,
+};
 
 /// Launcher failures that prevent it from reporting at all.
 #[derive(Debug, thiserror::Error)]
@@ -101,6 +103,39 @@ async fn serve_control(
     }
 }
 
+/// Serves `console.sock`: every byte a client writes goes to the guest's
+/// serial input. One thread per client; they end with the process.
+fn serve_console_input(path: &std::path::Path, input: ConsoleInput) {
+    let _ = std::fs::remove_file(path);
+    let listener = match std::os::unix::net::UnixListener::bind(path) {
+        Ok(l) => l,
+        Err(e) => {
+            warn!(error = %e, "console input socket; the console is output-only");
+            return;
+        }
+    };
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let input = input.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 1024];
+                loop {
+                    match std::io::Read::read(&mut conn, &mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => {
+                            if let Err(e) = input(&buf[..n]) {
+                                warn!(error = %e, "console input");
+                                return;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+}
+
 fn disk_status(
     rt: &tokio::runtime::Runtime,
     spec: &LaunchSpec,
@@ -154,6 +189,9 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
         phase: LauncherPhase::Starting,
         disks: Vec::new(),
         exit: None,
+        paused: false,
+        commands: 0,
+        command_error: None,
     };
     let (tx, rx) = watch::channel(initial);
     let rep = Reporter {
@@ -249,15 +287,42 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
     };
     rep.publish(|s| s.phase = LauncherPhase::Running);
     info!(instance = %spec.instance, runtime = %spec.runtime, "VM running");
+    if let Some(input) = vm.console_input() {
+        serve_console_input(&dir.join(files::CONSOLE_INPUT), input);
+    }
 
     let mut last_check = Instant::now();
     let exit = loop {
         if let Some(exit) = vm.wait_timeout(Duration::from_millis(100)) {
             break exit;
         }
-        if let Ok(LauncherCommand::Stop) = cmd_rx.try_recv() {
-            rep.publish(|s| s.phase = LauncherPhase::Stopping);
-            break vm.stop();
+        match cmd_rx.try_recv() {
+            Ok(LauncherCommand::Stop) => {
+                rep.publish(|s| s.phase = LauncherPhase::Stopping);
+                break vm.stop();
+            }
+            Ok(c @ (LauncherCommand::Pause | LauncherCommand::Resume)) => {
+                let pause = c == LauncherCommand::Pause;
+                let paused = rep.tx.borrow().paused;
+                let res = match (pause, paused) {
+                    (true, true) => Err("the VM is already paused".to_string()),
+                    (false, false) => Err("the VM is not paused".to_string()),
+                    (true, false) => vm.pause().map_err(|e| e.to_string()),
+                    (false, true) => vm.resume().map_err(|e| e.to_string()),
+                };
+                match &res {
+                    Ok(()) => info!(instance = %spec.instance, ?c, "done"),
+                    Err(e) => warn!(instance = %spec.instance, ?c, error = %e, "command failed"),
+                }
+                rep.publish(|s| {
+                    s.commands += 1;
+                    if res.is_ok() {
+                        s.paused = pause;
+                    }
+                    s.command_error = res.err();
+                });
+            }
+            Err(_) => {}
         }
         if last_check.elapsed() >= Duration::from_secs(1) {
             last_check = Instant::now();

@@ -135,6 +135,22 @@ pub enum RuntimeError {
         /// Cause.
         source: std::io::Error,
     },
+    /// The runtime cannot do this (e.g. pause without a QMP socket).
+    #[error("not supported by the {runtime} runtime: {what}")]
+    Unsupported {
+        /// Runtime name.
+        runtime: &'static str,
+        /// What was asked.
+        what: String,
+    },
+    /// Talking to the running VM (QMP, serial input) failed.
+    #[error("{op}: {message}")]
+    Control {
+        /// What was being done.
+        op: &'static str,
+        /// Why.
+        message: String,
+    },
     /// Serving a disk failed.
     #[error("disk {disk}: {message}")]
     Disk {
@@ -162,12 +178,22 @@ pub trait VmRuntime: Send + Sync + fmt::Debug {
     ) -> Result<Box<dyn RunningVm>, RuntimeError>;
 }
 
+/// Types bytes into a guest's serial input; blocks until every byte was
+/// taken (the UART drains as the guest reads) or fails.
+pub type ConsoleInput = Arc<dyn Fn(&[u8]) -> Result<(), RuntimeError> + Send + Sync>;
+
 /// A started VM.
 pub trait RunningVm: Send + fmt::Debug {
     /// Waits up to `timeout` for the VM to end.
     fn wait_timeout(&mut self, timeout: Duration) -> Option<VmExit>;
     /// Stops the VM now (no guest cooperation) and returns how it ended.
     fn stop(&mut self) -> VmExit;
+    /// Pauses the guest's vCPUs (returns once they stopped).
+    fn pause(&mut self) -> Result<(), RuntimeError>;
+    /// Resumes a paused guest.
+    fn resume(&mut self) -> Result<(), RuntimeError>;
+    /// The guest's serial input, if the runtime has one.
+    fn console_input(&self) -> Option<ConsoleInput>;
 }
 
 /// The runtime called `name`.

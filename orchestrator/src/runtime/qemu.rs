@@ -5,16 +5,22 @@
 //! NBD server (blockrepl `frontend::nbd`) on a unix socket in the launcher's
 //! directory and attached as `virtio-blk-pci` through QEMU's NBD client, so
 //! the guest's writes go through the same engine and epoch as with sheaf-vmm.
+//! Pause and resume go through QMP (`stop`/`cont`) on `qmp.sock` in the same
+//! directory; the serial console is QEMU's stdio (input through its stdin).
 
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sheaf_blockrepl::frontend::nbd::{Export, NbdConfig, NbdServer};
 
-use super::{AttachedDisk, RunningVm, RuntimeContext, RuntimeError, VmExit, VmRuntime, VmSpec};
+use super::{
+    AttachedDisk, ConsoleInput, RunningVm, RuntimeContext, RuntimeError, VmExit, VmRuntime, VmSpec,
+};
 
 /// QEMU settings.
 #[derive(Debug, Clone)]
@@ -42,6 +48,54 @@ impl Default for QemuRuntime {
 struct QemuVm {
     child: Child,
     nbd: tokio::task::JoinHandle<()>,
+    qmp: PathBuf,
+    stdin: Option<Arc<Mutex<std::process::ChildStdin>>>,
+}
+
+/// Runs one QMP command (`stop`, `cont`) on the monitor socket at `path`.
+fn qmp(path: &std::path::Path, command: &str) -> Result<(), RuntimeError> {
+    let err = |message: String| RuntimeError::Control { op: "QMP", message };
+    if !path.exists() {
+        return Err(RuntimeError::Unsupported {
+            runtime: "qemu",
+            what: format!(
+                "{command}: this QEMU has no QMP socket ({})",
+                path.display()
+            ),
+        });
+    }
+    let sock = UnixStream::connect(path).map_err(|e| err(format!("connect: {e}")))?;
+    let timeout = Some(Duration::from_secs(10));
+    sock.set_read_timeout(timeout)
+        .and_then(|_| sock.set_write_timeout(timeout))
+        .map_err(|e| err(e.to_string()))?;
+    let mut w = sock.try_clone().map_err(|e| err(e.to_string()))?;
+    let mut r = BufReader::new(sock);
+    let mut line = String::new();
+    // The greeting, then one answer per command (events are skipped).
+    r.read_line(&mut line)
+        .map_err(|e| err(format!("greeting: {e}")))?;
+    for cmd in ["qmp_capabilities", command] {
+        writeln!(w, "{{\"execute\":\"{cmd}\"}}").map_err(|e| err(e.to_string()))?;
+        loop {
+            line.clear();
+            let n = r
+                .read_line(&mut line)
+                .map_err(|e| err(format!("{cmd}: {e}")))?;
+            if n == 0 {
+                return Err(err(format!("{cmd}: QEMU closed the monitor")));
+            }
+            let v: serde_json::Value =
+                serde_json::from_str(&line).map_err(|e| err(format!("{cmd}: bad answer: {e}")))?;
+            if v.get("return").is_some() {
+                break;
+            }
+            if let Some(e) = v.get("error") {
+                return Err(err(format!("{cmd}: {e}")));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Drop for QemuVm {
@@ -64,6 +118,7 @@ impl VmRuntime for QemuRuntime {
         ctx: &RuntimeContext,
     ) -> Result<Box<dyn RunningVm>, RuntimeError> {
         let sock = ctx.work_dir.join("nbd.sock");
+        let qmp_sock = ctx.work_dir.join("qmp.sock");
         let server = NbdServer::new(NbdConfig::default());
         let mut drives = Vec::new();
         for (i, d) in disks.into_iter().enumerate() {
@@ -97,6 +152,8 @@ impl VmRuntime for QemuRuntime {
         cmd.args(["-m", &spec.memory_mib.max(64).to_string()])
             .args(["-smp", &spec.vcpus.max(1).to_string()])
             .args(["-display", "none", "-monitor", "none", "-serial", "stdio"])
+            .arg("-qmp")
+            .arg(format!("unix:{},server=on,wait=off", qmp_sock.display()))
             .args(["-nic", "none", "-no-reboot"])
             .arg("-kernel")
             .arg(&spec.kernel)
@@ -113,7 +170,7 @@ impl VmRuntime for QemuRuntime {
             cmd.arg("-device")
                 .arg(format!("virtio-blk-pci,drive=disk{i},serial={serial}"));
         }
-        cmd.stdin(Stdio::null())
+        cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         // Die with the launcher.
@@ -154,7 +211,13 @@ impl VmRuntime for QemuRuntime {
                 }
             });
         }
-        Ok(Box::new(QemuVm { child, nbd }))
+        let stdin = child.stdin.take().map(|p| Arc::new(Mutex::new(p)));
+        Ok(Box::new(QemuVm {
+            child,
+            nbd,
+            qmp: qmp_sock,
+            stdin,
+        }))
     }
 }
 
@@ -191,5 +254,26 @@ impl RunningVm for QemuVm {
             success: false,
             reason: format!("stopped ({st:?})"),
         }
+    }
+
+    fn pause(&mut self) -> Result<(), RuntimeError> {
+        qmp(&self.qmp, "stop")
+    }
+
+    fn resume(&mut self) -> Result<(), RuntimeError> {
+        qmp(&self.qmp, "cont")
+    }
+
+    fn console_input(&self) -> Option<ConsoleInput> {
+        let stdin = self.stdin.clone()?;
+        Some(Arc::new(move |data: &[u8]| {
+            let mut w = stdin.lock().unwrap_or_else(|e| e.into_inner());
+            w.write_all(data)
+                .and_then(|_| w.flush())
+                .map_err(|e| RuntimeError::Control {
+                    op: "serial input",
+                    message: e.to_string(),
+                })
+        }))
     }
 }

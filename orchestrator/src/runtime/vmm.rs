@@ -7,16 +7,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sheaf_blockrepl::frontend::vmm::VolumeBackend;
-use sheaf_vmm::{BootProtocol, ExitReason, SerialSink, Vm, VmConfig};
+use sheaf_vmm::{BootProtocol, ExitReason, SerialSink, Vm, VmConfig, VmState};
 
-use super::{AttachedDisk, RunningVm, RuntimeContext, RuntimeError, VmExit, VmRuntime, VmSpec};
+use super::{
+    AttachedDisk, ConsoleInput, RunningVm, RuntimeContext, RuntimeError, VmExit, VmRuntime, VmSpec,
+};
 
 /// sheaf-vmm in the launcher process.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct VmmRuntime;
 
 struct VmmVm {
-    vm: Vm,
+    vm: Arc<Vm>,
 }
 
 impl std::fmt::Debug for VmmVm {
@@ -71,7 +73,7 @@ impl VmRuntime for VmmRuntime {
         })));
         let vm = vb.create()?;
         vm.start()?;
-        Ok(Box::new(VmmVm { vm }))
+        Ok(Box::new(VmmVm { vm: Arc::new(vm) }))
     }
 }
 
@@ -86,5 +88,46 @@ impl RunningVm for VmmVm {
             success: false,
             reason: format!("stopped ({r:?})"),
         }
+    }
+
+    fn pause(&mut self) -> Result<(), RuntimeError> {
+        Ok(self.vm.pause()?)
+    }
+
+    fn resume(&mut self) -> Result<(), RuntimeError> {
+        Ok(self.vm.resume()?)
+    }
+
+    fn console_input(&self) -> Option<ConsoleInput> {
+        let vm = self.vm.clone();
+        Some(Arc::new(move |data: &[u8]| {
+            // The UART FIFO is small: feed it as the guest drains it.
+            let mut rest = data;
+            let mut idle = 0u32;
+            while !rest.is_empty() {
+                if vm.state() == VmState::Stopped {
+                    return Err(RuntimeError::Control {
+                        op: "serial input",
+                        message: "the VM stopped".into(),
+                    });
+                }
+                let n = vm.serial_input(rest);
+                rest = &rest[n..];
+                if n == 0 {
+                    idle += 1;
+                    // A paused or busy guest: give up after ~10 s.
+                    if idle > 2000 {
+                        return Err(RuntimeError::Control {
+                            op: "serial input",
+                            message: "the guest does not read its serial port".into(),
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                } else {
+                    idle = 0;
+                }
+            }
+            Ok(())
+        }))
     }
 }

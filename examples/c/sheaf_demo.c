@@ -300,6 +300,9 @@ int main(int argc, char **argv) {
     } else {
         printf("cluster: skipped (no kubeconfig given)\n");
     }
+    /* Every handle and string was released (valgrind checks the library's
+     * own memory; this checks ours). */
+    EXPECT(sheaf_live_objects() == 0);
     printf("sheaf_demo: OK\n");
     return 0;
 }

@@ -186,6 +186,13 @@ const char *sheaf_status_name(int code);
 // gives `SHEAF_EINVAL` and is left alone.
 int sheaf_string_free(char *s);
 
+// The number of live objects this library handed out and the caller has
+// not released yet: handles of every type plus strings not yet passed to
+// `sheaf_string_free`. A program that freed everything sees 0, so tests
+// can check their own cleanup (valgrind cannot: the library's registries
+// still reference what the caller forgot).
+size_t sheaf_live_objects(void);
+
 // Sends sheaf's log (tracing) to stderr, filtered by `filter` (an
 // `env_logger`-style directive such as `"info"` or
 // `"sheaf_blockrepl=debug"`; NULL reads `RUST_LOG`, default `warn`).

@@ -121,6 +121,11 @@ pub(crate) fn new_string(s: &str) -> *mut c_char {
     p
 }
 
+/// Strings handed out and not yet freed.
+pub(crate) fn live_strings() -> usize {
+    STRINGS.lock().unwrap_or_else(|e| e.into_inner()).len()
+}
+
 /// Frees a string from [`new_string`]; NULL is a no-op.
 pub(crate) fn free_string(p: *mut c_char) -> FfiResult<()> {
     if p.is_null() {

@@ -16,7 +16,7 @@ pub struct sheaf_cluster {
     _opaque: [u8; 0],
 }
 
-static CLUSTERS: Registry<ClusterClient> = Registry::new(5, "sheaf_cluster");
+pub(crate) static CLUSTERS: Registry<ClusterClient> = Registry::new(5, "sheaf_cluster");
 
 fn cluster(h: *const sheaf_cluster) -> FfiResult<std::sync::Arc<ClusterClient>> {
     CLUSTERS.get(to_token(h))

@@ -103,7 +103,6 @@ impl<T> Registry<T> {
     }
 
     /// Live handles of this type.
-    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.map.read().unwrap_or_else(|p| p.into_inner()).len()
     }

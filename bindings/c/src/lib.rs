@@ -105,6 +105,23 @@ pub extern "C" fn sheaf_string_free(s: *mut c_char) -> c_int {
     error::guard(|| args::free_string(s))
 }
 
+/// The number of live objects this library handed out and the caller has
+/// not released yet: handles of every type plus strings not yet passed to
+/// `sheaf_string_free`. A program that freed everything sees 0, so tests
+/// can check their own cleanup (valgrind cannot: the library's registries
+/// still reference what the caller forgot).
+#[unsafe(no_mangle)]
+pub extern "C" fn sheaf_live_objects() -> usize {
+    guard_value(usize::MAX, || {
+        vm::VMS.len()
+            + volume::VOLUMES.len()
+            + volume::SERVERS.len()
+            + sched::SCHEDS.len()
+            + cluster::CLUSTERS.len()
+            + args::live_strings()
+    })
+}
+
 /// Sends sheaf's log (tracing) to stderr, filtered by `filter` (an
 /// `env_logger`-style directive such as `"info"` or
 /// `"sheaf_blockrepl=debug"`; NULL reads `RUST_LOG`, default `warn`).

@@ -19,7 +19,7 @@ pub struct sheaf_sched {
     _opaque: [u8; 0],
 }
 
-static SCHEDS: Registry<Mutex<SchedHandle>> = Registry::new(4, "sheaf_sched");
+pub(crate) static SCHEDS: Registry<Mutex<SchedHandle>> = Registry::new(4, "sheaf_sched");
 
 fn sched(h: *const sheaf_sched) -> FfiResult<Arc<Mutex<SchedHandle>>> {
     SCHEDS.get(to_token(h))

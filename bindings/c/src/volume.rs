@@ -25,7 +25,7 @@ pub struct sheaf_replica_server {
 }
 
 pub(crate) static VOLUMES: Registry<VolumeHandle> = Registry::new(2, "sheaf_volume");
-static SERVERS: Registry<ReplicaServer> = Registry::new(3, "sheaf_replica_server");
+pub(crate) static SERVERS: Registry<ReplicaServer> = Registry::new(3, "sheaf_replica_server");
 
 fn volume(h: *const sheaf_volume) -> FfiResult<std::sync::Arc<VolumeHandle>> {
     VOLUMES.get(to_token(h))

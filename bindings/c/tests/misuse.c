@@ -96,6 +96,10 @@ int main(void) {
     }
     if (strcmp(sheaf_status_name(12345), "SHEAF_UNKNOWN") != 0) failures++;
 
+    if (sheaf_live_objects() != 0) {
+        fprintf(stderr, "FAIL: %zu live objects left\n", sheaf_live_objects());
+        failures++;
+    }
     printf("%s: %d failure(s)\n", failures ? "FAILED" : "misuse: OK", failures);
     return failures ? 1 : 0;
 }

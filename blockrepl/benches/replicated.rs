@@ -131,50 +131,65 @@ fn io(c: &mut Criterion) {
 }
 
 /// Rebuild of a replica replaced by an empty one: 64 MiB of data copied
-/// from a healthy replica while the volume is attached.
+/// from a healthy replica on the next attach.
 ///
-/// Not in the group yet: the second attach in this harness times out
-/// (open item in docs/dev/STATUS.md).
-#[allow(dead_code)]
+/// The source is written once; each iteration replaces replica 1 with an
+/// empty store, starts fresh servers (the previous ones are stopped first:
+/// two servers must never own one store directory), attaches and times
+/// until the new replica is active.
 fn rebuild(c: &mut Criterion) {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    const DATA: u64 = 64 << 20;
+    rt.block_on(async {
+        let (addrs, tasks) = servers_with_handles(dir.path(), 2, true).await;
+        let v = Volume::attach(VolumeConfig::remote(&addrs, secret()))
+            .await
+            .unwrap();
+        let chunk = Bytes::from(vec![0xa5u8; 1 << 20]);
+        for i in 0..DATA >> 20 {
+            v.write(i << 20, chunk.clone()).await.unwrap();
+        }
+        v.detach().await.unwrap();
+        stop(tasks).await;
+    });
     let mut g = c.benchmark_group("rebuild");
-    g.sample_size(10).measurement_time(Duration::from_secs(10));
-    g.throughput(Throughput::Bytes(64 << 20));
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(20))
+        .warm_up_time(Duration::from_secs(1));
+    g.throughput(Throughput::Bytes(DATA));
     g.bench_function("empty_replica_64MiB", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                let dir = tempfile::tempdir().unwrap();
                 total += rt.block_on(async {
-                    let addrs = servers(dir.path(), 2, true).await;
-                    let cfg = VolumeConfig::remote(&addrs, secret());
-                    let v = Volume::attach(cfg).await.unwrap();
-                    let chunk = Bytes::from(vec![0xa5u8; 1 << 20]);
-                    for i in 0..64u64 {
-                        v.write(i << 20, chunk.clone()).await.unwrap();
-                    }
-                    v.detach().await.unwrap();
-                    // Replace replica 1 with an empty one and attach again.
                     create_replacement_replica(dir.path().join("r1"), SIZE).unwrap();
-                    let addrs2 = servers(dir.path(), 2, false).await;
+                    let (addrs, tasks) = servers_with_handles(dir.path(), 2, false).await;
                     let t0 = Instant::now();
-                    let v = Volume::attach(VolumeConfig::remote(&addrs2, secret()))
+                    let v = Volume::attach(VolumeConfig::remote(&addrs, secret()))
                         .await
                         .unwrap();
                     loop {
                         let st = v.status().await.unwrap();
                         if st.active.len() == 2 && st.rebuilding.is_empty() {
+                            assert_eq!(st.blocks_copied, DATA / 4096, "{st:?}");
                             break;
                         }
-                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        tokio::time::sleep(Duration::from_millis(1)).await;
                     }
                     let d = t0.elapsed();
                     v.detach().await.unwrap();
+                    stop(tasks).await;
                     d
                 });
             }
@@ -184,5 +199,37 @@ fn rebuild(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, io);
+async fn servers_with_handles(
+    dir: &std::path::Path,
+    n: usize,
+    fresh: bool,
+) -> (Vec<SocketAddr>, Vec<tokio::task::JoinHandle<()>>) {
+    let mut addrs = Vec::new();
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let p = dir.join(format!("r{i}"));
+        if fresh {
+            create_replica(&p, SIZE).unwrap();
+        }
+        let rep = open_local_replica(&p).unwrap();
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        addrs.push(l.local_addr().unwrap());
+        tasks.push(tokio::spawn(async move {
+            let _ = serve(l, secret(), rep).await;
+        }));
+    }
+    (addrs, tasks)
+}
+
+/// Stops servers; their replica threads end once the last connection
+/// (closed by the detach) is gone.
+async fn stop(tasks: Vec<tokio::task::JoinHandle<()>>) {
+    for t in tasks {
+        t.abort();
+        let _ = t.await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+criterion_group!(benches, io, rebuild);
 criterion_main!(benches);

@@ -38,6 +38,9 @@ struct Args {
     /// Run the workload without injected faults.
     #[arg(long)]
     no_faults: bool,
+    /// Inject only partitions and engine pauses (zombie engines).
+    #[arg(long)]
+    zombie: bool,
     /// Print every violation.
     #[arg(short, long)]
     verbose: bool,
@@ -76,6 +79,7 @@ fn main() {
         let totals = totals.clone();
         let verbose = args.verbose || args.seed.is_some();
         let no_faults = args.no_faults;
+        let zombie = args.zombie;
         handles.push(std::thread::spawn(move || {
             loop {
                 let s = next.fetch_add(1, Ordering::Relaxed);
@@ -85,6 +89,7 @@ fn main() {
                 let mut cfg = SimConfig::new(s);
                 cfg.bugs = bugs;
                 cfg.faults = !no_faults;
+                cfg.zombie_faults_only = zombie;
                 let r = run(cfg);
                 let mut t = totals.lock().unwrap();
                 t.0 += 1;

@@ -218,11 +218,11 @@ impl ReplicaCore {
                 if !epoch_ok(epoch) {
                     return stale;
                 }
-                // Tags (no data) may be read from a rebuilding replica: the
-                // rebuild compares them to copy only what differs.
-                if info.state != ReplicaState::Clean && data {
-                    return refused(Refusal::Rebuilding);
-                }
+                // Served in any state: every block carries the tag of the
+                // write that produced it, and the engine uses copies from a
+                // replica that is not in sync only when the tag is the one
+                // it needs (rebuild tag comparison, repair of the only
+                // in-sync copy from a stale replica).
                 match store.read_layer(layer, lba, blocks, data) {
                     Ok(v) => Response::Layer(
                         v.into_iter().map(|(t, d)| (t, d.map(Into::into))).collect(),
@@ -345,7 +345,18 @@ impl ReplicaCore {
                 for (i, ent) in entries.iter().enumerate() {
                     let b = lba + i as u64;
                     let cur = store.entry(layer, b);
-                    let bad = cur.is_some_and(|(_, _, valid)| !valid);
+                    // Only a bad copy of the same write (or one whose
+                    // metadata is damaged, tag unknown) is replaced: a
+                    // repair that raced with a newer write is a no-op.
+                    let bad = cur.is_some_and(|(ct, _, valid)| {
+                        !valid
+                            && match ent {
+                                CopyEntry::Data(t, _) | CopyEntry::Zero(t) => {
+                                    ct == *t || ct == Tag::default()
+                                }
+                                _ => false,
+                            }
+                    });
                     debug!(layer, lba = b, ?cur, bad, "repair");
                     let res = match ent {
                         CopyEntry::Data(t, d) if bad => {

@@ -39,6 +39,9 @@ pub struct SimConfig {
     pub faults: bool,
     /// Deliberate protocol bugs (to prove the oracle catches them).
     pub bugs: Bugs,
+    /// Inject only partitions and engine pauses (zombie engines): the
+    /// scenario that read fencing exists for.
+    pub zombie_faults_only: bool,
 }
 
 impl SimConfig {
@@ -53,6 +56,7 @@ impl SimConfig {
             ops_per_client: 25,
             faults: true,
             bugs: Bugs::default(),
+            zombie_faults_only: false,
         }
     }
 }
@@ -186,6 +190,8 @@ pub struct Sim {
     run_violations: Vec<String>,
     /// Error of the last failed harness operation (final scrub and reads).
     final_error: Option<String>,
+    /// Report of the last completed scrub.
+    last_scrub: Option<crate::proto::engine::ScrubReport>,
 }
 
 impl std::fmt::Debug for Sim {
@@ -262,6 +268,7 @@ impl Sim {
             power_losses: 0,
             run_violations: Vec::new(),
             final_error: None,
+            last_scrub: None,
             cfg,
         }
     }
@@ -339,6 +346,9 @@ impl Sim {
             if n.is_multiple_of(32) && self.converged() {
                 break;
             }
+            if n.is_multiple_of(32) {
+                self.replace_fenced_engine();
+            }
             if !self.step() {
                 break;
             }
@@ -362,6 +372,20 @@ impl Sim {
         report.sim_time = self.now;
         report.failovers = self.failovers;
         report
+    }
+
+    /// After heal, a paused engine that woke up may re-attach and fence the
+    /// engine the clients use (both raced for the volume; either may win).
+    /// Like an operator, fail over to a new engine then.
+    fn replace_fenced_engine(&mut self) {
+        let fenced = self.current.is_some_and(|g| {
+            let e = &self.engines[g as usize];
+            !e.alive || e.engine.phase() == Phase::Fenced
+        });
+        if fenced {
+            self.failovers += 1;
+            self.start_engine();
+        }
     }
 
     fn describe(&self) -> String {
@@ -692,6 +716,9 @@ impl Sim {
         }
         if let Ok(out) = result {
             let now = self.now;
+            if let OpOutput::Scrub(r) = &out {
+                self.last_scrub = Some(*r);
+            }
             let rec = &mut self.history[hi];
             rec.complete = Some(now);
             if let (OpKind::Read { lba, values }, OpOutput::Data(d)) = (&mut rec.kind, out) {
@@ -829,7 +856,10 @@ impl Sim {
     fn inject_fault(&mut self) {
         let r = self.rng.below(self.cfg.replicas as u64) as usize;
         self.faults += 1;
-        let kind = self.rng.below(14);
+        let mut kind = self.rng.below(14);
+        if self.cfg.zombie_faults_only {
+            kind = [0, 1, 12][(kind % 3) as usize];
+        }
         tracing::info!(kind, replica = r, now = self.now, "fault");
         match kind {
             0 | 1 => {
@@ -868,6 +898,11 @@ impl Sim {
                 self.replicas[r].disk.set_faults(f);
                 let t = self.now + self.rng.range(5_000, 50_000);
                 self.at(t, Ev::ClearDisk { r });
+            }
+            7..=9 if !self.damage_allowed(r) => {
+                // Would exceed the redundancy: not injected (see
+                // `damage_allowed`).
+                self.faults -= 1;
             }
             7 => {
                 let mut rng = self.rng.fork();
@@ -943,6 +978,48 @@ impl Sim {
         }
     }
 
+    /// Whether block damage (bit rot, a latent sector error, misdirected
+    /// writes) may hit replica `r` now. Damage must stay within the
+    /// redundancy, as a disk fault in a real cluster is repaired before the
+    /// next one on another disk (TigerBeetle's simulator keeps the same
+    /// rule: it never corrupts the same data on every replica). So damage
+    /// goes only to a replica whose content every other replica also holds
+    /// (every replica in sync under the current engine) and only while no
+    /// other replica carries an unrepaired bad copy. Without this rule a
+    /// run can destroy every copy of a block, and no protocol could
+    /// recover it.
+    fn damage_allowed(&self, r: usize) -> bool {
+        let Some(g) = self.current else { return false };
+        let e = &self.engines[g as usize];
+        if !e.alive || self.engine_paused(g) {
+            return false;
+        }
+        let st = e.engine.status();
+        if st.phase != Phase::Running
+            || st.active.len() != self.cfg.replicas
+            || !st.rebuilding.is_empty()
+        {
+            return false;
+        }
+        (0..self.replicas.len())
+            .filter(|&o| o != r)
+            .all(|o| !self.has_bad_copy(o))
+    }
+
+    /// True if replica `o` is down or holds a copy that fails verification.
+    fn has_bad_copy(&self, o: usize) -> bool {
+        let Some(store) = self.replicas[o].core.as_ref().and_then(|c| c.store()) else {
+            return true;
+        };
+        let n = store.size_blocks().min(u32::MAX as u64) as u32;
+        store.layer_ids().into_iter().any(|layer| {
+            store.read_layer(layer, 0, n, false).map_or(true, |v| {
+                v.iter()
+                    .any(|(t, _)| matches!(t, BlockTag::Present { valid: false, .. }))
+            })
+        })
+    }
+
     fn kill_engine(&mut self, g: u32) {
         let gi = g as usize;
         if !self.engines[gi].alive {
@@ -983,17 +1060,49 @@ impl Sim {
     }
 
     fn final_ops(&mut self, report: &mut SimReport) {
-        // Scrub repairs rotten copies; then let the repairs land.
-        if let Some(hi) = self.run_op(OpKind::Flush, ClientOp::Scrub)
-            && self.history[hi].complete.is_none()
-        {
-            let why = self
-                .final_error
-                .take()
-                .unwrap_or_else(|| "timed out".into());
-            report
-                .violations
-                .push(format!("final scrub did not complete: {why}"));
+        // Scrub repairs rotten copies; then let the repairs land. A scrub
+        // that did not cover every replica (one left and came back during
+        // it) runs again.
+        for attempt in 0..5 {
+            self.replace_fenced_engine();
+            tracing::debug!(status = %self.describe(), now = self.now, attempt, "final scrub");
+            self.last_scrub = None;
+            if let Some(hi) = self.run_op(OpKind::Flush, ClientOp::Scrub)
+                && self.history[hi].complete.is_none()
+            {
+                let why = self
+                    .final_error
+                    .take()
+                    .unwrap_or_else(|| "timed out".into());
+                let fenced = self
+                    .current
+                    .is_some_and(|g| self.engines[g as usize].engine.phase() == Phase::Fenced);
+                if fenced && attempt < 4 {
+                    self.replace_fenced_engine();
+                    let until = self.now + 2_000_000;
+                    while self.now < until && !self.converged() && self.step() {}
+                    continue;
+                }
+                if let Some(g) = self.current {
+                    tracing::debug!(engine = ?self.engines[g as usize].engine, "final scrub did not complete");
+                }
+                report
+                    .violations
+                    .push(format!("final scrub did not complete: {why}"));
+                break;
+            }
+            let covered = self.last_scrub.map_or(0, |r| r.replicas as usize);
+            if covered == self.cfg.replicas {
+                break;
+            }
+            if attempt == 4 {
+                report.violations.push(format!(
+                    "final scrubs covered only {covered} of {} replicas",
+                    self.cfg.replicas
+                ));
+            }
+            let until = self.now + 2_000_000;
+            while self.now < until && !self.converged() && self.step() {}
         }
         let until = self.now + 200_000;
         while self.now < until && self.step() {}

@@ -47,6 +47,7 @@ impl Engine {
     pub(super) fn restart_attach(&mut self) {
         info!("restarting attach with a higher epoch");
         self.phase = Phase::Probing;
+        self.probe_started = self.now;
         for r in 0..self.peers.len() {
             self.peers[r].info = None;
             self.peers[r].role = Role::Idle;
@@ -185,6 +186,36 @@ impl Engine {
         self.fail_all(|| Error::Fenced { epoch });
     }
 
+    /// Chooses the epoch once every replica answered the probe, or `R`
+    /// did and a request timeout passed: `max(seen) + 1`. Waiting for every
+    /// answer keeps a fresh or stale replica that answers first from
+    /// making the engine pick an epoch a slower replica already holds (it
+    /// would refuse the attach).
+    pub(super) fn maybe_choose_epoch(&mut self) {
+        if self.phase != Phase::Probing {
+            return;
+        }
+        let probed = self.peers.iter().filter(|p| p.info.is_some()).count();
+        let waited = self.now >= self.probe_started + self.cfg.request_timeout;
+        if probed < self.r_quorum() || (probed < self.peers.len() && !waited) {
+            return;
+        }
+        let max = self
+            .peers
+            .iter()
+            .filter_map(|p| p.info.as_ref().map(|i| i.epoch))
+            .max()
+            .unwrap_or(0);
+        self.epoch = max.max(self.cfg.min_epoch) + 1;
+        self.phase = Phase::Attaching;
+        info!(epoch = self.epoch, engine = self.cfg.engine_id, "attaching");
+        for r in 0..self.peers.len() {
+            if self.peers[r].info.is_some() {
+                self.attach(r);
+            }
+        }
+    }
+
     /// Answer to a probe: choose the epoch once enough replicas answered.
     pub(super) fn on_probe(&mut self, from: ReplicaId, resp: Response) {
         let Response::Info(info) = resp else {
@@ -198,28 +229,9 @@ impl Engine {
         match self.phase {
             Phase::Probing => {
                 self.peers[from].link = Link::Attaching; // parked until epoch chosen
-                let probed = self.peers.iter().filter(|p| p.info.is_some()).count();
-                if probed >= self.r_quorum() {
-                    let max = self
-                        .peers
-                        .iter()
-                        .filter_map(|p| p.info.as_ref().map(|i| i.epoch))
-                        .max()
-                        .unwrap_or(0);
-                    self.epoch = max.max(self.cfg.min_epoch) + 1;
-                    self.phase = Phase::Attaching;
-                    info!(epoch = self.epoch, engine = self.cfg.engine_id, "attaching");
-                    for r in 0..self.peers.len() {
-                        if self.peers[r].info.is_some() {
-                            self.attach(r);
-                        }
-                    }
-                }
+                self.maybe_choose_epoch();
             }
             Phase::Attaching | Phase::Running => {
-                if info.epoch > self.epoch && self.phase == Phase::Running {
-                    return self.fence(info.epoch);
-                }
                 if info.epoch > self.epoch {
                     return self.fence(info.epoch);
                 }

@@ -195,7 +195,7 @@ impl Engine {
                     return;
                 };
                 if data.len() != rs.blocks as usize * BLOCK_SIZE {
-                    return self.peer_failed(from, "short read");
+                    return self.peer_failed_with(from, "short read", Some(Ctx::Read { op }));
                 }
                 rs.confirmed.insert(from);
                 if bad.is_empty() {
@@ -204,12 +204,12 @@ impl Engine {
                 } else {
                     // Read from another replica, then repair these copies.
                     for (lba, layer) in bad {
-                        self.schedule_repair(from, layer, lba);
+                        self.schedule_repair(from, layer, lba, None);
                     }
                     self.read_attempt(op);
                 }
             }
-            _ => self.peer_failed(from, "bad read answer"),
+            _ => self.peer_failed_with(from, "bad read answer", Some(Ctx::Read { op })),
         }
     }
 }

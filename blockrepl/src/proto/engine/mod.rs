@@ -188,6 +188,10 @@ pub struct ScrubReport {
     pub repaired: u64,
     /// Blocks whose tags differed between active replicas.
     pub divergent: u64,
+    /// Replicas whose every block this scrub verified. A replica that left
+    /// the active set during the scrub, or joined it after, is not counted:
+    /// scrub again to cover it.
+    pub replicas: u32,
 }
 
 /// Something the driver must do.
@@ -338,7 +342,11 @@ enum Ctx {
         bad_on: ReplicaId,
         layer: u64,
         lba: u64,
-        skip: usize,
+        /// Replicas already asked for a good copy.
+        tried: Vec<ReplicaId>,
+        /// Tag of the bad copy, when known: replicas that are not in sync
+        /// may supply a copy only if it carries this tag (the same write).
+        want: Option<Tag>,
     },
     Repair,
     Detach,
@@ -423,8 +431,18 @@ struct RebuildState {
     ending: bool,
 }
 
-/// (layer, lba, blocks, tags per replica, replicas asked)
-type ScrubChunk = (u64, u64, u32, BTreeMap<ReplicaId, Vec<BlockTag>>, usize);
+/// One range being scrubbed.
+#[derive(Debug)]
+struct ScrubChunk {
+    layer: u64,
+    lba: u64,
+    blocks: u32,
+    /// Tags per replica that answered.
+    tags: BTreeMap<ReplicaId, Vec<BlockTag>>,
+    /// Replicas whose answer is awaited or in (a replica that fails
+    /// during the scrub is dropped, the scrub goes on with the others).
+    asked: BTreeSet<ReplicaId>,
+}
 
 #[derive(Debug)]
 struct ScrubState {
@@ -434,7 +452,14 @@ struct ScrubState {
     chunks: BTreeMap<u64, ScrubChunk>,
     next_chunk: u64,
     report: ScrubReport,
+    /// Replicas that took part in every chunk of this pass.
+    covered: Option<BTreeSet<ReplicaId>>,
+    /// Passes started (a replica that joined during a pass gets another).
+    passes: u32,
 }
+
+/// Scrub passes at most per scrub operation.
+const MAX_SCRUB_PASSES: u32 = 3;
 
 /// The engine state machine. See the module documentation.
 #[derive(Debug)]
@@ -480,6 +505,8 @@ pub struct Engine {
     stable: bool,
     /// Position the last attach started from.
     start_pos: Tag,
+    /// Tick at which the current probe round started.
+    probe_started: u64,
     status: EngineStatus,
 }
 
@@ -527,6 +554,7 @@ impl Engine {
             acked_pos: Tag::default(),
             stable: false,
             start_pos: Tag::default(),
+            probe_started: 0,
             status: EngineStatus {
                 phase: Phase::Probing,
                 epoch: 0,
@@ -953,6 +981,8 @@ impl Engine {
                     chunks: BTreeMap::new(),
                     next_chunk: 0,
                     report: ScrubReport::default(),
+                    covered: None,
+                    passes: 1,
                 };
                 self.scrub = Some((id, st));
                 self.scrub_pump();
@@ -1004,6 +1034,7 @@ impl Engine {
                 self.probe(r);
             }
         }
+        self.maybe_choose_epoch();
         if self.phase == Phase::Running {
             self.maybe_start_rebuilds();
             let sessions: Vec<u64> = self.rebuilds.iter().map(|rb| rb.session).collect();
@@ -1016,6 +1047,13 @@ impl Engine {
     }
 
     fn peer_failed(&mut self, r: ReplicaId, why: &str) {
+        self.peer_failed_with(r, why, None);
+    }
+
+    /// Like [`Engine::peer_failed`], for a failure seen in the answer to a
+    /// request whose context `ctx` was already taken off the pending list:
+    /// that request is retried elsewhere or dropped like the others to `r`.
+    fn peer_failed_with(&mut self, r: ReplicaId, why: &str, ctx: Option<Ctx>) {
         if matches!(self.phase, Phase::Fenced | Phase::Detached) {
             return;
         }
@@ -1040,7 +1078,7 @@ impl Engine {
             .filter(|(_, p)| p.to == r)
             .map(|(&id, _)| id)
             .collect();
-        let mut ctxs = Vec::new();
+        let mut ctxs: Vec<Ctx> = ctx.into_iter().collect();
         for id in ids {
             if let Some(p) = self.pending.remove(&id) {
                 ctxs.push(p.ctx);
@@ -1076,15 +1114,15 @@ impl Engine {
                         rs.asked.remove(&r);
                     }
                 }
-                Ctx::ScrubTags { .. } => {
-                    if let Some((op, _)) = self.scrub.take() {
-                        self.complete(
-                            op,
-                            Err(Error::Busy {
-                                what: "replica failed during scrub".into(),
-                            }),
-                        );
-                    }
+                Ctx::ScrubTags { op, chunk } => self.scrub_drop(op, chunk, r),
+                Ctx::RepairRead {
+                    bad_on,
+                    layer,
+                    lba,
+                    tried,
+                    want,
+                } if bad_on != r => {
+                    self.schedule_repair_from(bad_on, layer, lba, tried, want);
                 }
                 _ => {}
             }
@@ -1171,9 +1209,29 @@ impl Engine {
         }
         if let Response::Refused(r) = &resp {
             match r {
-                Refusal::StaleEpoch { current } if *current > self.epoch => {
-                    // A newer engine attached: never take the volume back.
+                Refusal::StaleEpoch { current }
+                    if *current > self.epoch
+                        || (*current == self.epoch && self.phase == Phase::Attaching) =>
+                {
+                    // Another engine holds this epoch or a newer one (two
+                    // engines chose the same epoch: the one refused lost).
+                    // Never take the volume back from it.
                     return self.fence(*current);
+                }
+                Refusal::Invalid(_) if matches!(p.ctx, Ctx::RepairRead { .. }) => {
+                    // A replica that is not in sync may lack the layer or
+                    // range: ask the next one.
+                    if let Ctx::RepairRead {
+                        bad_on,
+                        layer,
+                        lba,
+                        tried,
+                        want,
+                    } = p.ctx
+                    {
+                        self.schedule_repair_from(bad_on, layer, lba, tried, want);
+                    }
+                    return;
                 }
                 Refusal::Invalid(msg) if matches!(p.ctx, Ctx::Op { .. }) => {
                     // The op was refused as invalid but kept the sequence.
@@ -1195,7 +1253,7 @@ impl Engine {
                 }
                 other => {
                     let why = format!("refused: {other:?}");
-                    return self.peer_failed(from, &why);
+                    return self.peer_failed_with(from, &why, Some(p.ctx));
                 }
             }
         }
@@ -1243,8 +1301,9 @@ impl Engine {
                 bad_on,
                 layer,
                 lba,
-                skip,
-            } => self.on_repair_read(bad_on, layer, lba, skip, resp),
+                tried,
+                want,
+            } => self.on_repair_read(bad_on, layer, lba, tried, want, resp),
             Ctx::Repair => {}
             Ctx::Adopt => {
                 if let Response::Info(info) = resp {

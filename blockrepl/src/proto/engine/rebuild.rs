@@ -307,12 +307,16 @@ impl Engine {
                     },
                     Some(d),
                 ) if d.len() == BLOCK_SIZE => CopyEntry::Data(tag, d),
-                _ => {
+                (t, _) => {
                     // Bad copy on the source: never copy it; repair the source
                     // from another replica and rebuild again.
                     self.rebuilds[i].incomplete = true;
                     let src = self.rebuilds[i].source;
-                    self.schedule_repair(src, c.layer, c.lba + k as u64);
+                    let want = match t {
+                        BlockTag::Present { tag, .. } => Some(tag),
+                        BlockTag::Absent => None,
+                    };
+                    self.schedule_repair(src, c.layer, c.lba + k as u64, want);
                     CopyEntry::Skip
                 }
             });

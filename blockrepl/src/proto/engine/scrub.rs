@@ -6,50 +6,77 @@
 use super::*;
 
 impl Engine {
-    /// Sends a repair for `lba` in `layer` on replica `bad_on`, reading the
-    /// good copy from another active replica.
-    pub(super) fn schedule_repair(&mut self, bad_on: ReplicaId, layer: u64, lba: u64) {
-        self.schedule_repair_from(bad_on, layer, lba, 0);
+    /// Repairs the copy of `lba` in `layer` on replica `bad_on` from a peer.
+    /// `want` is the tag of the bad copy when its metadata is intact.
+    pub(super) fn schedule_repair(
+        &mut self,
+        bad_on: ReplicaId,
+        layer: u64,
+        lba: u64,
+        want: Option<Tag>,
+    ) {
+        self.schedule_repair_from(bad_on, layer, lba, Vec::new(), want);
     }
 
-    /// Reads the good copy from the `skip`-th other active replica.
+    /// Asks the next peer not in `tried` for its copy. In-sync replicas come
+    /// first (their copy is the block's current content). Then, if the bad
+    /// copy's tag is known, any other attached replica: a copy carrying the
+    /// same tag is the same write, whatever that replica's state, so a
+    /// stale or rebuilding replica can still heal the only in-sync copy.
     pub(super) fn schedule_repair_from(
         &mut self,
         bad_on: ReplicaId,
         layer: u64,
         lba: u64,
-        skip: usize,
+        mut tried: Vec<ReplicaId>,
+        want: Option<Tag>,
     ) {
-        let from = self
-            .ids(Role::Active)
-            .into_iter()
-            .filter(|&r| r != bad_on)
-            .nth(skip);
-        if let Some(from) = from {
-            let req = Request::ReadLayer {
-                epoch: self.epoch,
+        if self.peers[bad_on].link != Link::Attached {
+            return;
+        }
+        let usable = |r: &ReplicaId| *r != bad_on && !tried.contains(r);
+        let active = self.ids(Role::Active).into_iter().find(usable);
+        let other = || {
+            want.filter(|t| *t != Tag::default())?;
+            (0..self.peers.len()).find(|r| {
+                usable(r)
+                    && self.peers[*r].link == Link::Attached
+                    && self.peers[*r].role != Role::Active
+            })
+        };
+        let Some(from) = active.or_else(other) else {
+            debug!(
+                replica = bad_on,
+                layer, lba, "no peer holds a good copy to repair from"
+            );
+            return;
+        };
+        tried.push(from);
+        let req = Request::ReadLayer {
+            epoch: self.epoch,
+            layer,
+            lba,
+            blocks: 1,
+            data: true,
+        };
+        self.send(
+            from,
+            req,
+            Ctx::RepairRead {
+                bad_on,
                 layer,
                 lba,
-                blocks: 1,
-                data: true,
-            };
-            self.send(
-                from,
-                req,
-                Ctx::RepairRead {
-                    bad_on,
-                    layer,
-                    lba,
-                    skip,
-                },
-            );
-        }
+                tried,
+                want,
+            },
+        );
     }
 
     pub(super) fn scrub_pump(&mut self) {
         let size = self.size_blocks;
         let chunk_n = self.cfg.rebuild_chunk.clamp(1, MAX_IO_BLOCKS as u32);
         let actives = self.ids(Role::Active);
+        let layers: Vec<u64> = self.layers.iter().map(|l| l.id).collect();
         let epoch = self.epoch;
         let Some((op, st)) = &mut self.scrub else {
             return;
@@ -71,8 +98,16 @@ impl Engine {
             st.next_lba += blocks as u64;
             let chunk = st.next_chunk;
             st.next_chunk += 1;
-            st.chunks
-                .insert(chunk, (layer, lba, blocks, BTreeMap::new(), actives.len()));
+            st.chunks.insert(
+                chunk,
+                ScrubChunk {
+                    layer,
+                    lba,
+                    blocks,
+                    tags: BTreeMap::new(),
+                    asked: actives.iter().copied().collect(),
+                },
+            );
             for &r in &actives {
                 sends.push((
                     r,
@@ -88,19 +123,50 @@ impl Engine {
             }
         }
         let done = st.chunks.is_empty() && st.layer_idx >= st.layers.len();
+        // A replica that joined the active set during the pass (in sync
+        // after a restart, or rebuilt) was not verified: scan again.
+        let missed = actives
+            .iter()
+            .any(|r| st.covered.as_ref().is_some_and(|c| !c.contains(r)));
+        if done && missed && st.passes < MAX_SCRUB_PASSES {
+            st.passes += 1;
+            st.layers = layers;
+            st.layer_idx = 0;
+            st.next_lba = 0;
+            st.covered = None;
+            return self.scrub_pump();
+        }
         for (r, req, ctx) in sends {
             self.send(r, req, ctx);
         }
-        if done && let Some((op, st)) = self.scrub.take() {
+        if done && let Some((op, mut st)) = self.scrub.take() {
+            let covered = st.covered.map_or(actives.len(), |c| c.len());
+            st.report.replicas = covered as u32;
             self.complete(op, Ok(OpOutput::Scrub(st.report)));
         }
     }
 
-    pub(super) fn scrub_tags(&mut self, op: OpId, chunk: u64, from: ReplicaId, resp: Response) {
-        let Response::Layer(v) = resp else {
-            return self.peer_failed(from, "bad scrub answer");
+    /// Replica `r` failed while chunk `chunk` waited for it: go on without it
+    /// (it leaves the active set and a rebuild verifies its copy).
+    pub(super) fn scrub_drop(&mut self, op: OpId, chunk: u64, r: ReplicaId) {
+        let Some((sop, st)) = &mut self.scrub else {
+            return;
         };
-        let mut repairs = Vec::new();
+        if *sop != op {
+            return;
+        }
+        if let Some(c) = st.chunks.get_mut(&chunk) {
+            c.asked.remove(&r);
+            c.tags.remove(&r);
+        }
+        self.scrub_chunk_check(chunk);
+    }
+
+    pub(super) fn scrub_tags(&mut self, op: OpId, chunk: u64, from: ReplicaId, resp: Response) {
+        let ctx = Some(Ctx::ScrubTags { op, chunk });
+        let Response::Layer(v) = resp else {
+            return self.peer_failed_with(from, "bad scrub answer", ctx);
+        };
         {
             let Some((sop, st)) = &mut self.scrub else {
                 return;
@@ -111,18 +177,37 @@ impl Engine {
             let Some(c) = st.chunks.get_mut(&chunk) else {
                 return;
             };
-            c.3.insert(from, v.into_iter().map(|(t, _)| t).collect());
-            if c.3.len() < c.4 {
-                return;
+            if v.len() != c.blocks as usize {
+                return self.peer_failed_with(from, "short scrub answer", ctx);
             }
-            let Some((layer, lba, blocks, tags, _)) = st.chunks.remove(&chunk) else {
+            c.tags.insert(from, v.into_iter().map(|(t, _)| t).collect());
+        }
+        self.scrub_chunk_check(chunk);
+    }
+
+    /// Evaluates a chunk once every replica still asked has answered.
+    fn scrub_chunk_check(&mut self, chunk: u64) {
+        let mut repairs = Vec::new();
+        {
+            let Some((_, st)) = &mut self.scrub else {
                 return;
             };
-            for k in 0..blocks as usize {
+            let Some(c) = st.chunks.get(&chunk) else {
+                return;
+            };
+            if c.asked.iter().any(|r| !c.tags.contains_key(r)) {
+                return;
+            }
+            let Some(c) = st.chunks.remove(&chunk) else {
+                return;
+            };
+            let covered = st.covered.get_or_insert_with(|| c.asked.clone());
+            covered.retain(|r| c.asked.contains(r));
+            for k in 0..c.blocks as usize {
                 let mut seen: Option<(Tag, bool)> = None;
                 let mut bad_on = Vec::new();
                 let mut divergent = false;
-                for (&r, t) in &tags {
+                for (&r, t) in &c.tags {
                     let Some(bt) = t.get(k) else { continue };
                     st.report.checked += 1;
                     match *bt {
@@ -134,7 +219,7 @@ impl Engine {
                         BlockTag::Present { tag, zero, valid } => {
                             if !valid {
                                 st.report.bad += 1;
-                                bad_on.push(r);
+                                bad_on.push((r, tag));
                             } else if let Some(s) = seen {
                                 if s != (tag, zero) {
                                     divergent = true;
@@ -148,14 +233,15 @@ impl Engine {
                 if divergent {
                     st.report.divergent += 1;
                 }
-                for r in bad_on {
+                for (r, tag) in bad_on {
                     st.report.repaired += 1;
-                    repairs.push((r, layer, lba + k as u64));
+                    repairs.push((r, c.layer, c.lba + k as u64, tag));
                 }
             }
         }
-        for (r, layer, lba) in repairs {
-            self.schedule_repair(r, layer, lba);
+        for (r, layer, lba, tag) in repairs {
+            debug!(replica = r, layer, lba, %tag, "scrub found a bad copy");
+            self.schedule_repair(r, layer, lba, Some(tag));
         }
         self.scrub_pump();
     }
@@ -166,9 +252,13 @@ impl Engine {
         bad_on: ReplicaId,
         layer: u64,
         lba: u64,
-        skip: usize,
+        tried: Vec<ReplicaId>,
+        want: Option<Tag>,
         resp: Response,
     ) {
+        let from_active = tried
+            .last()
+            .is_some_and(|&r| self.peers[r].role == Role::Active);
         let mut repaired = false;
         if let Response::Layer(v) = resp
             && let Some((t, d)) = v.into_iter().next()
@@ -189,9 +279,17 @@ impl Engine {
                         valid: true,
                     },
                     Some(d),
-                ) => Some(CopyEntry::Data(tag, d)),
+                ) if d.len() == BLOCK_SIZE => Some(CopyEntry::Data(tag, d)),
                 _ => None,
             };
+            // A replica that is not in sync may hold another write there.
+            let entry = entry.filter(|e| {
+                let tag = match e {
+                    CopyEntry::Zero(t) | CopyEntry::Data(t, _) => Some(*t),
+                    _ => None,
+                };
+                from_active || (want.is_some() && tag == want)
+            });
             if let Some(entry) = entry
                 && self.peers[bad_on].link == Link::Attached
             {
@@ -206,9 +304,9 @@ impl Engine {
                 repaired = true;
             }
         }
-        if !repaired && self.peers[bad_on].link == Link::Attached {
-            // That copy was bad too (or gone): try the next replica.
-            self.schedule_repair_from(bad_on, layer, lba, skip + 1);
+        if !repaired {
+            // That copy was bad too, another write, or gone: try the next replica.
+            self.schedule_repair_from(bad_on, layer, lba, tried, want);
         }
     }
 }

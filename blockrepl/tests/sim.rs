@@ -152,6 +152,10 @@ const REGRESSION_SEEDS: &[u64] = &[
     // damage beyond the redundancy; an engine fenced by a woken one after
     // heal.
     1, 380, 493, 588, 1068, 1130, 1299, 1494, 1648, 1720,
+    // Two engines chose the same epoch; the winner could never attach the
+    // replica the loser reached first. The heal restarted every replica
+    // and the final scrub raced the engine noticing it.
+    1870, 2189, 2589, 3326, 5182, 6621,
 ];
 
 #[test]

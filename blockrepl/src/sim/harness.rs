@@ -388,6 +388,13 @@ impl Sim {
         }
     }
 
+    /// Replaces a fenced engine and runs until the volume converged again.
+    fn settle(&mut self) {
+        self.replace_fenced_engine();
+        let until = self.now + 2_000_000;
+        while self.now < until && !self.converged() && self.step() {}
+    }
+
     fn describe(&self) -> String {
         match self.current {
             Some(g) => format!("{:?}", self.engines[g as usize].engine.status()),
@@ -1074,13 +1081,12 @@ impl Sim {
                     .final_error
                     .take()
                     .unwrap_or_else(|| "timed out".into());
-                let fenced = self
-                    .current
-                    .is_some_and(|g| self.engines[g as usize].engine.phase() == Phase::Fenced);
-                if fenced && attempt < 4 {
-                    self.replace_fenced_engine();
-                    let until = self.now + 2_000_000;
-                    while self.now < until && !self.converged() && self.step() {}
+                // A replica restarted by the heal is only noticed by the
+                // engine when it refuses a request (the engine may even
+                // re-attach); an engine may have been fenced by a woken
+                // one. Like a client, retry once the volume is healthy.
+                if attempt < 4 {
+                    self.settle();
                     continue;
                 }
                 if let Some(g) = self.current {
@@ -1106,15 +1112,23 @@ impl Sim {
         }
         let until = self.now + 200_000;
         while self.now < until && self.step() {}
-        // Read every block back (part of the history).
+        // Read every block back (part of the history; a failed read is
+        // retried like a client would, and only completed reads count).
         for lba in 0..self.cfg.blocks {
-            let hi = self.run_op(
-                OpKind::Read {
-                    lba,
-                    values: vec![ReadValue::Garbage],
-                },
-                ClientOp::Read { lba, blocks: 1 },
-            );
+            let mut hi = None;
+            for attempt in 0..3 {
+                hi = self.run_op(
+                    OpKind::Read {
+                        lba,
+                        values: vec![ReadValue::Garbage],
+                    },
+                    ClientOp::Read { lba, blocks: 1 },
+                );
+                if hi.is_some_and(|h| self.history[h].complete.is_some()) || attempt == 2 {
+                    break;
+                }
+                self.settle();
+            }
             if hi.is_none_or(|h| self.history[h].complete.is_none()) {
                 let why = self
                     .final_error

@@ -1218,6 +1218,20 @@ impl Engine {
                     // Never take the volume back from it.
                     return self.fence(*current);
                 }
+                Refusal::StaleEpoch { current }
+                    if *current == self.epoch && self.phase == Phase::Running =>
+                {
+                    // The other engine that chose our epoch reached this
+                    // replica first (it lost on the others and is fenced);
+                    // the replica never accepts our attach at this epoch:
+                    // attach again above it.
+                    warn!(
+                        replica = from,
+                        epoch = self.epoch,
+                        "epoch taken on a replica by another engine; re-attaching above it"
+                    );
+                    return self.reattach();
+                }
                 Refusal::Invalid(_) if matches!(p.ctx, Ctx::RepairRead { .. }) => {
                     // A replica that is not in sync may lack the layer or
                     // range: ask the next one.

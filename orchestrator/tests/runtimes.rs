@@ -18,6 +18,7 @@ use cluster_common::{acks, kvm_available, log_block, valid_record};
 use sheaf_blockrepl::net::Secret;
 use sheaf_blockrepl::volume::{Volume, VolumeConfig};
 use sheaf_orchestrator::cluster::ensure_secret;
+use sheaf_orchestrator::launcher::metrics::{IoMetrics, LATENCY_BUCKETS};
 use sheaf_orchestrator::launcher::{LaunchDisk, LaunchSpec, LauncherPhase, LauncherStatus};
 use sheaf_orchestrator::runtime::VmSpec;
 
@@ -177,6 +178,16 @@ async fn sheaf_vmm_launcher_writes_through_the_granted_epoch() {
         status.disks[0].epoch
     );
     assert!(status.disks[0].active.len() >= 2, "{:?}", status.disks);
+    // Guest I/O latency: every acknowledged record was a timed write + flush.
+    let io = IoMetrics::load(&s.dir).expect("io-metrics.json");
+    assert!(io.timed);
+    let d = &io.disks[0];
+    assert_eq!(d.volume, s.disks[0].volume);
+    assert!(d.write.count >= 8, "{d:?}");
+    assert!(d.flush.count >= 8, "{d:?}");
+    assert!(d.read.count > 0 && d.write.bytes >= 8 * 512, "{d:?}");
+    assert_eq!(d.write.buckets.len(), LATENCY_BUCKETS.len());
+    assert!(d.write.sum_seconds > 0.0, "{d:?}");
     // A later engine reads every record from the replicas.
     let v = attach(&r, status.disks[0].epoch).await;
     for k in 0..8 {

@@ -12,6 +12,7 @@
 //!     console.log    the guest's serial console
 //!     console.sock   bytes written here go to the guest's serial input
 //!     launcher.log   the launcher's own log
+//!     io-metrics.json guest I/O latency histograms per disk (see [`metrics`])
 //! ```
 //!
 //! The launcher is independent of the agent: it keeps running when the
@@ -20,6 +21,7 @@
 //! serves replica stores for the agent (`sheaf-launcher replica`), one
 //! process per replica like Longhorn's replica processes.
 
+pub mod metrics;
 pub mod protocol;
 mod run;
 
@@ -43,4 +45,6 @@ pub mod files {
     pub const CONSOLE_INPUT: &str = "console.sock";
     /// The launcher's log.
     pub const LOG: &str = "launcher.log";
+    /// Guest I/O latency histograms ([`super::metrics::IoMetrics`]).
+    pub const IO_METRICS: &str = "io-metrics.json";
 }

@@ -6,6 +6,7 @@
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
@@ -22,6 +23,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::files;
+use super::metrics::{DiskIoStats, IoMetrics};
 use super::protocol::{DiskStatus, LaunchSpec, LauncherCommand, LauncherPhase, LauncherStatus};
 use crate::runtime::{
     self, AttachedDisk, ConsoleInput, ConsoleLog, RunningVm, RuntimeContext, VmExit,
@@ -270,17 +272,26 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
         work_dir: dir.clone(),
         console,
     };
+    let io_stats: Vec<Arc<DiskIoStats>> = spec.disks.iter().map(|_| Arc::default()).collect();
     let attached: Vec<AttachedDisk> = spec
         .disks
         .iter()
         .zip(&vols)
-        .map(|(d, v)| AttachedDisk {
+        .zip(&io_stats)
+        .map(|((d, v), st)| AttachedDisk {
             name: d.name.clone(),
             serial: d.serial.clone(),
             disk: Disk::new(v.clone()),
             read_only: d.read_only,
+            io_stats: st.clone(),
         })
         .collect();
+    let io = IoReport {
+        spec: &spec,
+        stats: &io_stats,
+        timed: runtime.times_disk_io(),
+        last: std::cell::RefCell::new(None),
+    };
     let mut vm: Box<dyn RunningVm> = match runtime.start(&spec.vm, attached, &ctx) {
         Ok(vm) => vm,
         Err(e) => return fail(format!("starting the VM: {e}")),
@@ -326,6 +337,7 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
         }
         if last_check.elapsed() >= Duration::from_secs(1) {
             last_check = Instant::now();
+            io.save();
             let disks = disk_status(&rt, &spec, &vols);
             if let Some(d) = disks.iter().find(|d| d.fenced) {
                 let reason = format!("volume {} fenced by a newer engine", d.volume);
@@ -343,11 +355,45 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
         }
     };
     drop(vm);
+    io.save();
     for v in vols {
         let _ =
             rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), v.detach()).await });
     }
     finish(exit)
+}
+
+/// Writes the disks' guest I/O histograms to `io-metrics.json` when they
+/// changed since the last time.
+struct IoReport<'a> {
+    spec: &'a LaunchSpec,
+    stats: &'a [Arc<DiskIoStats>],
+    timed: bool,
+    last: std::cell::RefCell<Option<IoMetrics>>,
+}
+
+impl IoReport<'_> {
+    fn save(&self) {
+        let m = IoMetrics {
+            instance: self.spec.instance.clone(),
+            uid: self.spec.uid.clone(),
+            timed: self.timed,
+            disks: self
+                .spec
+                .disks
+                .iter()
+                .zip(self.stats)
+                .map(|(d, s)| s.snapshot(&d.name, &d.volume))
+                .collect(),
+        };
+        if self.last.borrow().as_ref() == Some(&m) {
+            return;
+        }
+        if let Err(e) = m.save(&self.spec.dir) {
+            warn!(error = %e, "writing io-metrics.json");
+        }
+        *self.last.borrow_mut() = Some(m);
+    }
 }
 
 /// Arguments of `sheaf-launcher replica`.

@@ -65,6 +65,9 @@ pub struct AttachedDisk {
     pub disk: Disk,
     /// Offer it read-only.
     pub read_only: bool,
+    /// Guest I/O latency of this disk, kept by runtimes that time their
+    /// requests (sheaf-vmm); see [`VmRuntime::times_disk_io`].
+    pub io_stats: Arc<crate::launcher::metrics::DiskIoStats>,
 }
 
 /// Where the guest's serial console goes: an append-only file the agent
@@ -169,6 +172,10 @@ pub enum RuntimeError {
 pub trait VmRuntime: Send + Sync + fmt::Debug {
     /// Name reported to the control plane (`sheaf-vmm`, `qemu`).
     fn name(&self) -> &'static str;
+    /// Whether the runtime records guest I/O in [`AttachedDisk::io_stats`].
+    fn times_disk_io(&self) -> bool {
+        false
+    }
     /// Starts the VM.
     fn start(
         &self,

@@ -4,10 +4,12 @@
 //! blockrepl's `VolumeBackend`.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sheaf_blockrepl::frontend::vmm::VolumeBackend;
-use sheaf_vmm::{BootProtocol, ExitReason, SerialSink, Vm, VmConfig, VmState};
+use sheaf_vmm::{BlockBackend, BootProtocol, ExitReason, SerialSink, Vm, VmConfig, VmState};
+
+use crate::launcher::metrics::{DiskIoStats, OpHistogram};
 
 use super::{
     AttachedDisk, ConsoleInput, RunningVm, RuntimeContext, RuntimeError, VmExit, VmRuntime, VmSpec,
@@ -29,6 +31,63 @@ impl std::fmt::Debug for VmmVm {
     }
 }
 
+/// Times every request the guest makes to a volume (guest I/O latency:
+/// the engine's replication included, the virtqueue excluded).
+#[derive(Debug)]
+struct TimedBackend {
+    inner: VolumeBackend,
+    stats: Arc<DiskIoStats>,
+}
+
+fn timed<T>(
+    h: &OpHistogram,
+    bytes: u64,
+    f: impl FnOnce() -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    let t0 = Instant::now();
+    let r = f();
+    h.observe(t0.elapsed(), bytes, r.is_ok());
+    r
+}
+
+impl BlockBackend for TimedBackend {
+    fn size(&self) -> u64 {
+        self.inner.size()
+    }
+    fn read_only(&self) -> bool {
+        self.inner.read_only()
+    }
+    fn device_id(&self) -> String {
+        self.inner.device_id()
+    }
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let n = buf.len() as u64;
+        timed(&self.stats.read, n, || self.inner.read_at(offset, buf))
+    }
+    fn write_at(&self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
+        timed(&self.stats.write, buf.len() as u64, || {
+            self.inner.write_at(offset, buf)
+        })
+    }
+    fn flush(&self) -> std::io::Result<()> {
+        timed(&self.stats.flush, 0, || self.inner.flush())
+    }
+    fn supports_discard(&self) -> bool {
+        self.inner.supports_discard()
+    }
+    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        timed(&self.stats.write, 0, || self.inner.discard(offset, len))
+    }
+    fn supports_write_zeroes(&self) -> bool {
+        self.inner.supports_write_zeroes()
+    }
+    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> std::io::Result<()> {
+        timed(&self.stats.write, len, || {
+            self.inner.write_zeroes(offset, len, may_unmap)
+        })
+    }
+}
+
 fn exit_of(r: ExitReason) -> VmExit {
     VmExit {
         success: r.is_clean(),
@@ -39,6 +98,10 @@ fn exit_of(r: ExitReason) -> VmExit {
 impl VmRuntime for VmmRuntime {
     fn name(&self) -> &'static str {
         "sheaf-vmm"
+    }
+
+    fn times_disk_io(&self) -> bool {
+        true
     }
 
     fn start(
@@ -65,7 +128,10 @@ impl VmRuntime for VmmRuntime {
         for d in disks {
             let backend =
                 VolumeBackend::new(d.disk, ctx.io.clone(), &d.serial).with_read_only(d.read_only);
-            vb = vb.disk_backend(Arc::new(backend));
+            vb = vb.disk_backend(Arc::new(TimedBackend {
+                inner: backend,
+                stats: d.io_stats,
+            }));
         }
         let console = ctx.console.clone();
         vb = vb.serial_sink(SerialSink::Callback(Box::new(move |b: &[u8]| {

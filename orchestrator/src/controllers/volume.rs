@@ -16,6 +16,11 @@
 //! serves them (`address`, `state`); the VMI controller attaches (epoch + 1);
 //! the node lifecycle controller fences. A replacement replica starts
 //! `Rebuilding` and is filled by the next engine that attaches the volume.
+//!
+//! A volume with `spec.source.image` stays `Creating` after its replicas
+//! are served until an importer (the `sheaf` cluster binary's source
+//! importer) sets its [`SOURCE_IMPORTED`] condition to `True`, so no
+//! instance attaches it before its contents are in.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -36,6 +41,11 @@ use crate::resources::{
     ConditionStatus, Node, VirtualMachineInstance, Volume, parse_quantity_bytes,
 };
 use crate::store::{ListOptions, StoreError, StoreExt, UpdateScope, WatchEvent};
+
+/// Condition of a volume with `spec.source.image`: `True` once the image
+/// is in (until then the volume stays `Creating`); its reason and message
+/// carry the import's progress or failure.
+pub const SOURCE_IMPORTED: &str = "Imported";
 
 /// The Volume reconciler.
 #[derive(Debug)]
@@ -268,8 +278,14 @@ impl Reconciler for VolumeController {
             .iter()
             .any(|r| r.address.is_none() && r.state != Some(ReplicaState::Failed));
         let never_served = reps.iter().all(|r| r.address.is_none());
+        let import_pending = vol.spec.source.as_ref().is_some_and(|s| s.image.is_some())
+            && !condition_true(&st.conditions, SOURCE_IMPORTED)
+            && st.attachment.is_none();
         st.phase = Some(
-            if never_served || (creating && st.phase == Some(VolumePhase::Creating)) {
+            if never_served
+                || import_pending
+                || (creating && st.phase == Some(VolumePhase::Creating))
+            {
                 VolumePhase::Creating
             } else if healthy < w
                 && st.attachment.is_none()

@@ -2,29 +2,34 @@
 //! `sheaf cluster up`: a control plane (API server over TLS, controllers,
 //! redb store) and N nodes (node agent + replica server processes, one
 //! launcher process per VM) in one foreground process, until Ctrl-C or
-//! SIGTERM.
+//! SIGTERM. With `--netns` each node is its own process tree (`sheaf
+//! agent`) in its own network namespace (see [`crate::netns`]); without it
+//! the agents run inside the `up` process on 127.0.0.1.
 //!
 //! ```text
 //!   <data>/store.redb  secret  admin.kubeconfig  pki/  tokens.json
-//!   <data>/nodes/<node>/{replicas,launchers}/      per-node state
+//!   <data>/nodes/<node>/{replicas,launchers}/      per-node state (+ agent.log with --netns)
 //!   <data>/sheaf.pid   <data>/cluster.log
+//!   <data>/netns.json  agent.kubeconfig            --netns: the node subnet, the agents' kubeconfig
 //! ```
 //!
 //! The data directory survives: `up` again reopens the store, the nodes
 //! serve their replicas again and VMs that should run are started again.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sheaf_orchestrator::api::{ApiServer, ApiServerConfig};
-use sheaf_orchestrator::cluster::{LocalCluster, LocalClusterConfig, StoreKind};
+use sheaf_orchestrator::cluster::{ClusterError, LocalCluster, LocalClusterConfig, StoreKind};
 use sheaf_orchestrator::resources::Node;
-use sheaf_orchestrator::store::{ListOptions, StoreExt};
+use sheaf_orchestrator::store::{ListOptions, Store, StoreExt};
 use tokio::sync::Mutex;
 
 use crate::metrics::Metrics;
+use crate::netns::{NetnsError, NetnsNodes, Network};
 use crate::server::{ClusterState, routes};
 
 /// Options of `sheaf cluster up`.
@@ -40,20 +45,13 @@ pub struct UpOptions {
     pub netns: bool,
     /// How long a silent node stays Ready.
     pub node_grace: Duration,
-    /// The launcher binary (`sheaf` itself serves `vm` and `replica`).
+    /// The launcher binary (`sheaf` itself serves `vm`, `replica` and `agent`).
     pub launcher_bin: PathBuf,
 }
 
 /// Failures of `cluster up`.
 #[derive(Debug, thiserror::Error)]
 pub enum UpError {
-    /// `--netns` cannot work in this build.
-    #[error(
-        "--netns is not available: node agents run inside the `sheaf cluster up` process \
-         (LocalCluster), and a network namespace is per process, so the nodes cannot be \
-         given their own namespaces; run without --netns (every node listens on 127.0.0.1)"
-    )]
-    NetnsUnsupported,
     /// Another `cluster up` uses the data directory.
     #[error(
         "a cluster (pid {pid}) is already running on {dir}; stop it first (Ctrl-C in its terminal or `kill {pid}`)"
@@ -74,7 +72,10 @@ pub enum UpError {
     },
     /// The cluster.
     #[error(transparent)]
-    Cluster(#[from] sheaf_orchestrator::cluster::ClusterError),
+    Cluster(#[from] ClusterError),
+    /// The node network or node processes (`--netns`).
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
     /// The API server.
     #[error("API server: {0}")]
     Api(#[from] sheaf_orchestrator::api::ApiServerError),
@@ -113,63 +114,309 @@ fn take_pid_file(dir: &Path) -> Result<PathBuf, UpError> {
     Ok(pidf)
 }
 
+/// Node operations that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// No such node.
+    #[error("node {name:?} not found (nodes: {nodes})")]
+    NoNode {
+        /// Asked for.
+        name: String,
+        /// Known nodes.
+        nodes: String,
+    },
+    /// Kill of a node that is down.
+    #[error("node {0} is already down")]
+    AlreadyDown(String),
+    /// In-process nodes.
+    #[error(transparent)]
+    Local(#[from] ClusterError),
+    /// Node processes.
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+}
+
+/// The control plane and the nodes: agents in process, or (`--netns`) one
+/// process tree per node in its own network namespace.
+#[derive(Debug)]
+pub struct Cluster {
+    local: LocalCluster,
+    netns: Option<NetnsNodes>,
+}
+
+impl Cluster {
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        self.local.store()
+    }
+
+    /// Node names.
+    pub fn node_names(&self) -> Vec<String> {
+        match &self.netns {
+            Some(n) => n.node_names(),
+            None => self.local.node_names(),
+        }
+    }
+
+    /// A node's data directory (launchers, replicas).
+    pub fn node_dir(&self, name: &str) -> PathBuf {
+        self.local.node_dir(name)
+    }
+
+    /// The replication secret file.
+    pub fn secret_file(&self) -> &Path {
+        self.local.secret_file()
+    }
+
+    /// The node processes (`--netns`).
+    pub fn netns(&self) -> Option<&NetnsNodes> {
+        self.netns.as_ref()
+    }
+
+    /// Whether node `name` runs (was not killed).
+    pub fn is_up(&self, name: &str) -> bool {
+        match &self.netns {
+            Some(n) => n.is_up(name),
+            None => self.local.agent(name).is_some(),
+        }
+    }
+
+    fn check(&self, name: &str) -> Result<(), NodeError> {
+        let names = self.node_names();
+        if names.iter().any(|n| n == name) {
+            Ok(())
+        } else {
+            Err(NodeError::NoNode {
+                name: name.into(),
+                nodes: names.join(", "),
+            })
+        }
+    }
+
+    /// Kills node `name` like a power cut (SIGKILL to its processes).
+    pub fn kill_node(&mut self, name: &str) -> Result<(), NodeError> {
+        self.check(name)?;
+        if !self.is_up(name) {
+            return Err(NodeError::AlreadyDown(name.into()));
+        }
+        match &mut self.netns {
+            Some(n) => {
+                n.kill(name)?;
+            }
+            None => self.local.kill_node(name)?,
+        }
+        Ok(())
+    }
+
+    /// Starts node `name` again on its data (an agent restart if it runs).
+    pub async fn restart_node(&mut self, name: &str) -> Result<(), NodeError> {
+        self.check(name)?;
+        match &mut self.netns {
+            Some(n) => {
+                n.start(name).await?;
+            }
+            None => self.local.restart_node(name).await?,
+        }
+        Ok(())
+    }
+
+    /// Stops every node and the control plane; returns what is left of the
+    /// node network (empty: nothing).
+    pub async fn shutdown(mut self) -> Vec<String> {
+        let left = match &mut self.netns {
+            Some(n) => n.shutdown(),
+            None => Vec::new(),
+        };
+        self.local.shutdown().await;
+        left
+    }
+}
+
 /// A started cluster (control plane, nodes, API server with the extra routes).
 #[derive(Debug)]
 pub struct Running {
     /// The cluster.
-    pub cluster: Arc<Mutex<LocalCluster>>,
+    pub cluster: Arc<Mutex<Cluster>>,
     /// API server.
     pub api: sheaf_orchestrator::api::RunningApiServer,
     /// Metrics.
     pub metrics: Metrics,
     pid_file: PathBuf,
-    watch: tokio::task::JoinHandle<()>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Running {
     /// Stops the API server and every node (their launchers and replica
-    /// processes get SIGKILL, like a power cut; the data stays).
-    pub async fn shutdown(self) {
-        self.watch.abort();
+    /// processes get SIGKILL, like a power cut; the data stays). Returns
+    /// what could not be removed of the node network (`--netns`).
+    pub async fn shutdown(self) -> Vec<String> {
+        for t in &self.tasks {
+            t.abort();
+        }
         self.api.shutdown().await;
-        let c = Arc::try_unwrap(self.cluster);
-        match c {
+        let left = match Arc::try_unwrap(self.cluster) {
             Ok(m) => m.into_inner().shutdown().await,
             Err(arc) => {
                 let mut g = arc.lock().await;
                 for n in g.node_names() {
                     let _ = g.kill_node(&n);
                 }
+                match &mut g.netns {
+                    Some(n) => n.shutdown(),
+                    None => Vec::new(),
+                }
+            }
+        };
+        let _ = std::fs::remove_file(&self.pid_file);
+        left
+    }
+}
+
+/// Drops `<data>/pki` if its server certificate does not name `ip`, so the
+/// API server issues a new CA and certificate that do (`admin.kubeconfig`
+/// is rewritten with the new CA at every start; tokens are kept).
+fn ensure_cert_names(data_dir: &Path, ip: std::net::Ipv4Addr) -> Result<(), UpError> {
+    let pki = data_dir.join("pki");
+    let cert = pki.join("server.crt");
+    let Ok(pem) = std::fs::read_to_string(&cert) else {
+        return Ok(());
+    };
+    if !crate::netns::cert_names_ip(&pem, ip) {
+        tracing::info!(%ip, "the API server certificate does not name the node gateway; issuing a new one");
+        std::fs::remove_dir_all(&pki).map_err(io_err(&pki))?;
+    }
+    Ok(())
+}
+
+/// Reaps zombies re-parented to this process (the subreaper) that are not
+/// node agents (those are waited for by their supervisors).
+fn spawn_reaper(cluster: Arc<Mutex<Cluster>>) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let me = std::process::id() as i32;
+        loop {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let agents: Vec<i32> = {
+                let g = cluster.lock().await;
+                let names = g.node_names();
+                g.netns()
+                    .map(|n| {
+                        names
+                            .iter()
+                            .filter_map(|x| n.agent_pid(x))
+                            .map(|p| p as i32)
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            };
+            for (pid, state, ppid) in proc_children() {
+                if ppid == me && state == "Z" && !agents.contains(&pid) {
+                    // SAFETY: reaping an exited child of ours; no memory is touched.
+                    unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+                }
             }
         }
-        let _ = std::fs::remove_file(&self.pid_file);
+    })
+}
+
+/// `(pid, state, ppid)` of every process.
+pub fn proc_children() -> Vec<(i32, String, i32)> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...
+        let Some(rest) = stat.rsplit_once(')').map(|x| x.1) else {
+            continue;
+        };
+        let mut f = rest.split_whitespace();
+        let state = f.next().unwrap_or("").to_string();
+        let ppid: i32 = f.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+        v.push((pid, state, ppid));
     }
+    v
+}
+
+/// Lease holders of the nodes now (an agent that starts takes a new one).
+async fn lease_holders(store: &Arc<dyn Store>) -> BTreeMap<String, String> {
+    let nodes: Vec<Node> = store
+        .list_typed(None, &ListOptions::default())
+        .await
+        .unwrap_or_default();
+    nodes
+        .into_iter()
+        .filter_map(|n| {
+            let holder = n.status.as_ref()?.lease.as_ref()?.holder_identity.clone();
+            Some((n.metadata.name?, holder))
+        })
+        .collect()
 }
 
 /// Starts everything and waits until every node is Ready.
 pub async fn start(opts: &UpOptions) -> Result<Running, UpError> {
-    if opts.netns {
-        return Err(UpError::NetnsUnsupported);
-    }
     std::fs::create_dir_all(&opts.data_dir).map_err(io_err(&opts.data_dir))?;
     let pid_file = take_pid_file(&opts.data_dir)?;
+    let net = if opts.netns {
+        let prepared = Network::plan(&opts.data_dir, opts.nodes).and_then(|n| {
+            n.create()?;
+            Ok(n)
+        });
+        match prepared {
+            Ok(n) => Some(n),
+            Err(e) => {
+                let _ = std::fs::remove_file(&pid_file);
+                return Err(e.into());
+            }
+        }
+    } else {
+        None
+    };
+    let res = start_inner(opts, net.clone(), pid_file.clone()).await;
+    if res.is_err() {
+        if let Some(n) = &net {
+            let _ = n.destroy();
+        }
+        let _ = std::fs::remove_file(&pid_file);
+    }
+    res
+}
+
+async fn start_inner(
+    opts: &UpOptions,
+    net: Option<Network>,
+    pid_file: PathBuf,
+) -> Result<Running, UpError> {
+    if let Some(n) = &net {
+        crate::netns::become_subreaper();
+        ensure_cert_names(&opts.data_dir, n.gateway)?;
+    }
     let mut cfg = LocalClusterConfig::new(&opts.data_dir, &opts.launcher_bin);
-    cfg.nodes = opts.nodes;
+    // With --netns the nodes are separate processes, not in-process agents.
+    cfg.nodes = if net.is_some() { 0 } else { opts.nodes };
     cfg.store = StoreKind::Redb;
     cfg.control.node_grace_period = opts.node_grace;
-    let cluster = match LocalCluster::start(cfg).await {
-        Ok(c) => c,
-        Err(e) => {
-            let _ = std::fs::remove_file(&pid_file);
-            return Err(e.into());
+    let local = LocalCluster::start(cfg).await?;
+    let store = local.store().clone();
+    let metrics = Metrics::new(store.clone()).with_nodes_dir(opts.data_dir.join("nodes"));
+    let mut tasks = vec![
+        metrics.spawn_scheduler_watch(),
+        crate::sources::SourceImporter {
+            store: store.clone(),
+            secret_file: local.secret_file().to_path_buf(),
+            tmp_dir: opts.data_dir.join("tmp"),
+            metrics: metrics.clone(),
         }
-    };
-    let store = cluster.store().clone();
-    let metrics = Metrics::new(store.clone());
-    let watch = metrics.spawn_scheduler_watch();
-    let cluster = Arc::new(Mutex::new(cluster));
+        .spawn(),
+    ];
     let mut api_cfg = ApiServerConfig::new(&opts.data_dir);
     api_cfg.listen = opts.listen;
+    if let Some(n) = &net {
+        api_cfg.extra_sans = vec![n.gateway.to_string()];
+    }
+    let cluster = Arc::new(Mutex::new(Cluster { local, netns: None }));
     api_cfg.extra_routes = Some(routes(ClusterState {
         store: store.clone(),
         cluster: cluster.clone(),
@@ -179,36 +426,52 @@ pub async fn start(opts: &UpOptions) -> Result<Running, UpError> {
     let api = match ApiServer::start(api_cfg, store.clone()).await {
         Ok(a) => a,
         Err(e) => {
-            watch.abort();
+            for t in &tasks {
+                t.abort();
+            }
             if let Ok(m) = Arc::try_unwrap(cluster) {
                 m.into_inner().shutdown().await;
             }
-            let _ = std::fs::remove_file(&pid_file);
             return Err(e.into());
         }
     };
-    let running = Running {
+    let mut running = Running {
         cluster,
         api,
         metrics,
         pid_file,
-        watch,
+        tasks: Vec::new(),
     };
-    // Every node Ready (fresh heartbeats).
+    running.tasks.append(&mut tasks);
+    let before = lease_holders(&store).await;
+    if let Some(n) = net
+        && let Err(e) = start_node_processes(&mut running, opts, n).await
+    {
+        running.shutdown().await;
+        return Err(e);
+    }
+    // Every node Ready with a lease of its new agent.
     let t0 = Instant::now();
-    let limit = Duration::from_secs(30);
+    let limit = Duration::from_secs(60);
     loop {
         let nodes: Vec<Node> = store
             .list_typed(None, &ListOptions::default())
             .await
             .unwrap_or_default();
+        let netns = running.cluster.lock().await.netns.is_some();
         let not_ready: Vec<String> = {
             let names = running.cluster.lock().await.node_names();
             names
                 .into_iter()
                 .filter(|n| {
                     !nodes.iter().any(|x| {
+                        let fresh = !netns
+                            || x.status
+                                .as_ref()
+                                .and_then(|s| s.lease.as_ref())
+                                .is_some_and(|l| before.get(n) != Some(&l.holder_identity));
                         x.metadata.name.as_deref() == Some(n.as_str())
+                            && fresh
                             && x.status
                                 .as_ref()
                                 .and_then(|s| s.conditions.as_ref())
@@ -234,6 +497,46 @@ pub async fn start(opts: &UpOptions) -> Result<Running, UpError> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Ok(running)
+}
+
+/// `--netns`: the API server proxy on the bridge, the agents' kubeconfig,
+/// one `sheaf agent` process per node in its namespace.
+async fn start_node_processes(
+    running: &mut Running,
+    opts: &UpOptions,
+    net: Network,
+) -> Result<(), UpError> {
+    let api_addr = running.api.addr;
+    let port = api_addr.port();
+    if !api_addr.ip().is_unspecified() {
+        // The agents reach the API server through the bridge address.
+        let listen = SocketAddr::from((net.gateway, port));
+        let proxy = crate::netns::spawn_proxy(listen, api_addr)
+            .await
+            .map_err(io_err(Path::new(&listen.to_string())))?;
+        running.tasks.push(proxy);
+    }
+    let kubeconfig = opts.data_dir.join("agent.kubeconfig");
+    crate::netns::write_agent_kubeconfig(
+        &kubeconfig,
+        &format!("https://{}:{port}", net.gateway),
+        &running.api.ca_pem,
+        &running.api.tokens.admin,
+    )?;
+    let mut g = running.cluster.lock().await;
+    let configs = net
+        .nodes
+        .iter()
+        .map(|n| (n.name.clone(), g.local.agent_config(&n.name)))
+        .collect();
+    let mut nodes = NetnsNodes::new(net, opts.launcher_bin.clone(), kubeconfig, configs);
+    for name in nodes.node_names() {
+        nodes.start(&name).await?;
+    }
+    g.netns = Some(nodes);
+    drop(g);
+    running.tasks.push(spawn_reaper(running.cluster.clone()));
+    Ok(())
 }
 
 /// Waits for Ctrl-C (SIGINT) or SIGTERM.

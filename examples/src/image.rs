@@ -26,8 +26,10 @@ use serde_json::json;
 use sheaf_blockrepl::net::Secret;
 use sheaf_blockrepl::volume::{Volume as BlockVolume, VolumeConfig};
 use sheaf_orchestrator::controllers::fence::replica_addrs;
+use sheaf_orchestrator::controllers::util::condition_true;
+use sheaf_orchestrator::controllers::volume::SOURCE_IMPORTED;
 use sheaf_orchestrator::resources::Volume;
-use sheaf_orchestrator::resources::sheaf::VolumePhase;
+use sheaf_orchestrator::resources::sheaf::{ReplicaState, VolumePhase};
 use sheaf_orchestrator::store::{GroupKind, Store, StoreError, StoreExt, UpdateScope};
 use tokio::sync::mpsc;
 
@@ -325,6 +327,30 @@ pub async fn import_image(
     ))
 }
 
+/// A volume with a pending `spec.source.image` stays `Creating` (no
+/// instance may attach it); it can be imported into once every replica is
+/// served and at least `minWriteReplicas` are healthy.
+fn source_ready(v: &Volume) -> bool {
+    let Some(st) = &v.status else { return false };
+    let pending = v.spec.source.as_ref().is_some_and(|s| s.image.is_some())
+        && !condition_true(&st.conditions, SOURCE_IMPORTED);
+    let reps = st.replicas.clone().unwrap_or_default();
+    let w = v
+        .spec
+        .min_write_replicas
+        .unwrap_or(2)
+        .clamp(1, reps.len().max(1) as u32) as usize;
+    let healthy = reps
+        .iter()
+        .filter(|r| r.state == Some(ReplicaState::Healthy))
+        .count();
+    pending
+        && st.phase == Some(VolumePhase::Creating)
+        && !reps.is_empty()
+        && reps.iter().all(|r| r.address.is_some())
+        && healthy >= w
+}
+
 async fn wait_available(
     store: &Arc<dyn Store>,
     ns: &str,
@@ -338,7 +364,8 @@ async fn wait_available(
         if matches!(
             phase,
             Some(VolumePhase::Available | VolumePhase::Degraded | VolumePhase::Attached)
-        ) {
+        ) || source_ready(&v)
+        {
             return Ok(v);
         }
         if t0.elapsed() > timeout {

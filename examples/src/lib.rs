@@ -5,15 +5,19 @@
 //!   cluster   `sheaf cluster up`: LocalCluster + API server + extra routes
 //!   server    routes added to the API server: /metrics, VM verbs, console,
 //!             node kill/restart, image import
-//!   metrics   Prometheus text from the store and the process's own I/O
+//!   metrics   Prometheus text from the store, the process's own I/O and the launchers' guest I/O
+//!   netns     `--netns`: node namespaces, bridge, node processes (`sheaf agent`)
 //!   image     raw/qcow2 import into a replicated Volume, probe demo disks
 //!   client    HTTPS client configured from a kubeconfig
 //!   status    `sheaf status` tables
+//!   sources   fills Volumes applied with `spec.source.image`
 //! ```
 
 pub mod client;
 pub mod cluster;
 pub mod image;
 pub mod metrics;
+pub mod netns;
 pub mod server;
+pub mod sources;
 pub mod status;

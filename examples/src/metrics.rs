@@ -3,11 +3,15 @@
 //!
 //! Gauges are computed from the store at every scrape (VM and VMI counts per
 //! phase, node readiness, volume replica health); counters come from a
-//! watch on instances (scheduler decisions) and from the cluster process's
-//! own block I/O (image imports), whose latency is kept in histograms.
+//! watch on instances (scheduler decisions), from the cluster process's
+//! own block I/O (image imports), whose latency is kept in histograms, and
+//! from the launchers: every running instance's launcher keeps guest I/O
+//! latency histograms per disk in `io-metrics.json` in its directory
+//! (`<data>/nodes/<node>/launchers/<uid>/`), read at every scrape.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,10 +20,9 @@ use serde_json::Value;
 use sheaf_orchestrator::resources::{Node, VirtualMachine, VirtualMachineInstance, Volume};
 use sheaf_orchestrator::store::{GroupKind, ListOptions, Store, WatchOptions};
 
-/// Upper bounds (seconds) of the latency histogram buckets.
-pub const LATENCY_BUCKETS: [f64; 14] = [
-    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-];
+/// Upper bounds (seconds) of the latency histogram buckets (the launchers' too).
+pub use sheaf_orchestrator::launcher::metrics::LATENCY_BUCKETS;
+use sheaf_orchestrator::launcher::metrics::{HistogramSnapshot, IoMetrics};
 
 /// A Prometheus histogram.
 #[derive(Clone, Debug, Default)]
@@ -80,6 +83,8 @@ struct Counters {
 pub struct Metrics {
     store: Arc<dyn Store>,
     counters: Arc<Mutex<Counters>>,
+    /// `<data>/nodes`: where the launchers' `io-metrics.json` are.
+    nodes_dir: Option<PathBuf>,
 }
 
 fn escape(v: &str) -> String {
@@ -94,7 +99,47 @@ impl Metrics {
         Metrics {
             store,
             counters: Arc::default(),
+            nodes_dir: None,
         }
+    }
+
+    /// Also exports the guest I/O of the launchers under `nodes_dir`
+    /// (`<nodes_dir>/<node>/launchers/<uid>/io-metrics.json`).
+    pub fn with_nodes_dir(mut self, nodes_dir: PathBuf) -> Metrics {
+        self.nodes_dir = Some(nodes_dir);
+        self
+    }
+
+    /// The launchers' guest I/O of every live instance, with its node.
+    fn guest_io(&self, vmis: &[Value]) -> Vec<(String, IoMetrics)> {
+        let Some(root) = &self.nodes_dir else {
+            return Vec::new();
+        };
+        let mut v = Vec::new();
+        for o in vmis {
+            let phase = o["status"]["phase"].as_str().unwrap_or("");
+            if matches!(phase, "Succeeded" | "Failed") {
+                continue;
+            }
+            let (Some(node), Some(uid)) = (
+                o["status"]["nodeName"].as_str(),
+                o["metadata"]["uid"].as_str(),
+            ) else {
+                continue;
+            };
+            // Names come from the store: keep them inside the data directory.
+            if [node, uid]
+                .iter()
+                .any(|s| s.is_empty() || s.contains('/') || s.contains(".."))
+            {
+                continue;
+            }
+            let dir = root.join(node).join("launchers").join(uid);
+            if let Some(m) = IoMetrics::load(&dir) {
+                v.push((node.to_string(), m));
+            }
+        }
+        v
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counters> {
@@ -283,8 +328,52 @@ impl Metrics {
         }
         out.push_str("# HELP sheaf_import_bytes_total Bytes written into volumes by image imports.\n# TYPE sheaf_import_bytes_total counter\n");
         let _ = writeln!(out, "sheaf_import_bytes_total {}", c.import_bytes);
+        drop(c);
+
+        let guest = self.guest_io(&vmis);
+        let ops = |d: &sheaf_orchestrator::launcher::metrics::DiskIoMetrics| {
+            [
+                ("read", d.read.clone()),
+                ("write", d.write.clone()),
+                ("flush", d.flush.clone()),
+            ]
+        };
+        out.push_str("# HELP sheaf_guest_io_seconds Latency of the guests' block I/O on their volumes, timed in the launchers (replication included).\n# TYPE sheaf_guest_io_seconds histogram\n");
+        let mut bytes = String::new();
+        let mut errors = String::new();
+        for (node, m) in &guest {
+            for d in &m.disks {
+                for (op, h) in ops(d) {
+                    let labels = format!(
+                        "volume=\"{}\",vmi=\"{}\",node=\"{}\",op=\"{op}\",",
+                        escape(&d.volume),
+                        escape(&m.instance),
+                        escape(node)
+                    );
+                    render_snapshot(&mut out, "sheaf_guest_io_seconds", &labels, &h);
+                    let l = labels.trim_end_matches(',');
+                    let _ = writeln!(bytes, "sheaf_guest_io_bytes_total{{{l}}} {}", h.bytes);
+                    let _ = writeln!(errors, "sheaf_guest_io_errors_total{{{l}}} {}", h.errors);
+                }
+            }
+        }
+        out.push_str("# HELP sheaf_guest_io_bytes_total Bytes the guests moved on their volumes.\n# TYPE sheaf_guest_io_bytes_total counter\n");
+        out.push_str(&bytes);
+        out.push_str("# HELP sheaf_guest_io_errors_total Guest block requests that failed.\n# TYPE sheaf_guest_io_errors_total counter\n");
+        out.push_str(&errors);
         out
     }
+}
+
+/// A launcher's cumulative histogram in the exposition format.
+fn render_snapshot(out: &mut String, name: &str, labels: &str, h: &HistogramSnapshot) {
+    for (b, n) in LATENCY_BUCKETS.iter().zip(&h.buckets) {
+        let _ = writeln!(out, "{name}_bucket{{{labels}le=\"{b}\"}} {n}");
+    }
+    let _ = writeln!(out, "{name}_bucket{{{labels}le=\"+Inf\"}} {}", h.count);
+    let trimmed = labels.trim_end_matches(',');
+    let _ = writeln!(out, "{name}_sum{{{trimmed}}} {}", h.sum_seconds);
+    let _ = writeln!(out, "{name}_count{{{trimmed}}} {}", h.count);
 }
 
 #[cfg(test)]
@@ -321,6 +410,62 @@ mod tests {
         );
         assert!(
             text.contains("sheaf_vmi_phase_count{phase=\"Running\"} 0"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn exports_launcher_guest_io() {
+        use sheaf_orchestrator::launcher::metrics::DiskIoStats;
+        let tmp = tempfile::tempdir().unwrap();
+        let store: Arc<dyn Store> = Arc::new(sheaf_orchestrator::store::MemoryStore::new());
+        let vmi = serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "demo", "namespace": "default"},
+            "spec": {"domain": {"devices": {}}},
+        });
+        let gk = GroupKind::of::<VirtualMachineInstance>();
+        let created = store.create(&gk, "default", vmi).await.unwrap();
+        let uid = created["metadata"]["uid"].as_str().unwrap().to_string();
+        let mut with_status = created.clone();
+        with_status["status"] = serde_json::json!({"phase": "Running", "nodeName": "node-1"});
+        store
+            .update(
+                &gk,
+                "default",
+                with_status,
+                sheaf_orchestrator::store::UpdateScope::Status,
+            )
+            .await
+            .unwrap();
+        let dir = tmp.path().join("node-1/launchers").join(&uid);
+        std::fs::create_dir_all(&dir).unwrap();
+        let st = DiskIoStats::default();
+        st.write.observe(Duration::from_micros(700), 4096, true);
+        st.write.observe(Duration::from_millis(2), 4096, true);
+        IoMetrics {
+            instance: "default/demo".into(),
+            uid,
+            timed: true,
+            disks: vec![st.snapshot("root", "default/probe-disk")],
+        }
+        .save(&dir)
+        .unwrap();
+        let m = Metrics::new(store).with_nodes_dir(tmp.path().to_path_buf());
+        let text = m.render().await;
+        let l = "volume=\"default/probe-disk\",vmi=\"default/demo\",node=\"node-1\",op=\"write\"";
+        assert!(
+            text.contains(&format!("sheaf_guest_io_seconds_count{{{l}}} 2")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "sheaf_guest_io_seconds_bucket{{{l},le=\"0.001\"}} 1"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("sheaf_guest_io_bytes_total{{{l}}} 8192")),
             "{text}"
         );
     }

@@ -13,7 +13,8 @@
 //! ```
 //!
 //! The virtual machine verbs have KubeVirt's `virtctl` shapes; the node
-//! verbs act on the in-process [`LocalCluster`].
+//! verbs act on the [`Cluster`]'s nodes (in-process agents, or with
+//! `--netns` the node processes in their namespaces).
 
 use std::convert::Infallible;
 use std::path::PathBuf;
@@ -29,7 +30,6 @@ use axum::routing::{get, post, put};
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use sheaf_orchestrator::cluster::LocalCluster;
 use sheaf_orchestrator::launcher::files as launcher_files;
 use sheaf_orchestrator::launcher::{LauncherCommand, LauncherStatus};
 use sheaf_orchestrator::resources::kubevirt::StateChangeRequest;
@@ -41,6 +41,7 @@ use sheaf_orchestrator::store::{
 };
 use tokio::sync::{Mutex, mpsc};
 
+use crate::cluster::{Cluster, NodeError};
 use crate::image::{ImportOptions, ImportProgress, import_image};
 use crate::metrics::Metrics;
 
@@ -49,8 +50,8 @@ use crate::metrics::Metrics;
 pub struct ClusterState {
     /// The cluster's store.
     pub store: Arc<dyn Store>,
-    /// The in-process cluster (node kill/restart, node directories).
-    pub cluster: Arc<Mutex<LocalCluster>>,
+    /// The cluster (node kill/restart, node directories).
+    pub cluster: Arc<Mutex<Cluster>>,
     /// Metrics registry.
     pub metrics: Metrics,
     /// The cluster's data directory.
@@ -529,30 +530,12 @@ async fn node_verb(
     Path((name, verb)): Path<(String, String)>,
 ) -> Result<Response, Failure> {
     let mut c = s.cluster.lock().await;
-    if !c.node_names().contains(&name) {
-        return Err(Failure::new(
-            404,
-            "NotFound",
-            format!(
-                "node {name:?} not found (nodes: {})",
-                c.node_names().join(", ")
-            ),
-        ));
-    }
-    match verb.as_str() {
+    let res = match verb.as_str() {
         "kill" => {
-            if c.agent(&name).is_none() {
-                return Err(Failure::conflict(format!("node {name} is already down")));
-            }
             tracing::warn!(node = %name, "killing node on request (kill -9 of its processes)");
             c.kill_node(&name)
-                .map_err(|e| Failure::new(500, "InternalError", e.to_string()))?;
         }
-        "restart" => {
-            c.restart_node(&name)
-                .await
-                .map_err(|e| Failure::new(500, "InternalError", e.to_string()))?;
-        }
+        "restart" => c.restart_node(&name).await,
         other => {
             return Err(Failure::new(
                 404,
@@ -560,6 +543,14 @@ async fn node_verb(
                 format!("unknown node action {other:?} (kill, restart)"),
             ));
         }
+    };
+    match res {
+        Ok(()) => {}
+        Err(e @ NodeError::NoNode { .. }) => {
+            return Err(Failure::new(404, "NotFound", e.to_string()));
+        }
+        Err(e @ NodeError::AlreadyDown(_)) => return Err(Failure::conflict(e.to_string())),
+        Err(e) => return Err(Failure::new(500, "InternalError", e.to_string())),
     }
     Ok(ok(json!({"node": name, "action": verb})))
 }

@@ -245,6 +245,121 @@ fn pause_unpause(dir: &Path) {
     assert!(String::from_utf8_lossy(&r.body).contains("\"bytes\":3"));
 }
 
+/// The launcher's guest I/O histograms reach /metrics: the probe guest's
+/// writes on its volume are counted (the launcher writes them every second).
+fn guest_io_reaches_metrics(dir: &Path, node: &str) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client =
+        sheaf_examples::client::ApiClient::from_kubeconfig(&dir.join("admin.kubeconfig")).unwrap();
+    let key = format!(
+        "sheaf_guest_io_seconds_count{{volume=\"default/probe-disk\",vmi=\"default/demo\",node=\"{node}\",op=\"write\"}} "
+    );
+    let t0 = Instant::now();
+    loop {
+        let m = rt
+            .block_on(client.send("GET", "/metrics", None, bytes::Bytes::new()))
+            .unwrap();
+        let text = String::from_utf8_lossy(&m.body).into_owned();
+        let writes: Option<u64> = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .and_then(|n| n.trim().parse().ok());
+        if writes.is_some_and(|n| n > 0) {
+            assert!(
+                text.contains("# TYPE sheaf_guest_io_seconds histogram"),
+                "{text}"
+            );
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no guest writes in /metrics:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// `kubectl apply` of a VM with a Volume whose `spec.source.image` names a
+/// disk image: the cluster imports it (condition `Imported`), then the VM
+/// boots from it; a missing image gives `ImportFailed` with the path.
+fn image_source(dir: &Path, tmp: &Path) {
+    let img = tmp.join("source-disk.img");
+    ok(
+        dir,
+        &["image", "demo", img.to_str().unwrap(), "--records", "5"],
+    );
+    let manifest =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("vm-image-source.yaml"))
+            .unwrap()
+            .replace("/var/tmp/source-disk.img", img.to_str().unwrap());
+    let m = tmp.join("vm-image-source.yaml");
+    std::fs::write(&m, manifest).unwrap();
+    kubectl(dir, &["apply", "-f", m.to_str().unwrap()]);
+    kubectl(
+        dir,
+        &[
+            "wait",
+            "--for=jsonpath={.status.phase}=Running",
+            "vmi/sourced",
+            "--timeout=60s",
+        ],
+    );
+    let cond = kubectl(
+        dir,
+        &[
+            "get",
+            "volume",
+            "source-disk",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Imported\")].status} {.status.conditions[?(@.type==\"Imported\")].message}",
+        ],
+    );
+    assert!(cond.starts_with("True raw image, 16777216 bytes"), "{cond}");
+    let t0 = Instant::now();
+    loop {
+        let (good, c) = sheaf(dir, &["console", "sourced", "--no-follow"]);
+        if good && found(&c).is_some() {
+            assert_eq!(found(&c), Some(5), "{c}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{c}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    kubectl(dir, &["delete", "vm", "sourced", "--wait=true"]);
+    // A missing image: the volume says why and stays Creating.
+    let bad = tmp.join("bad-source.yaml");
+    std::fs::write(
+        &bad,
+        "apiVersion: sheaf.dev/v1\nkind: Volume\nmetadata:\n  name: bad-source\nspec:\n  size: 4Mi\n  replicas: 2\n  source:\n    image: /nonexistent/disk.qcow2\n",
+    )
+    .unwrap();
+    kubectl(dir, &["apply", "-f", bad.to_str().unwrap()]);
+    let t0 = Instant::now();
+    loop {
+        let c = kubectl(
+            dir,
+            &[
+                "get",
+                "volume",
+                "bad-source",
+                "-o",
+                "jsonpath={.status.phase} {.status.conditions[?(@.type==\"Imported\")].reason} {.status.conditions[?(@.type==\"Imported\")].message}",
+            ],
+        );
+        if c.contains("ImportFailed") {
+            assert!(
+                c.starts_with("Creating ImportFailed") || c.starts_with("Pending ImportFailed"),
+                "{c}"
+            );
+            assert!(c.contains("/nonexistent/disk.qcow2"), "{c}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{c}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    kubectl(dir, &["delete", "volume", "bad-source"]);
+}
+
 #[test]
 fn cluster_end_to_end() {
     if !Path::new("/dev/kvm").exists() {
@@ -295,6 +410,7 @@ fn cluster_end_to_end() {
     }
     let (good, out) = sheaf(&dir, &["image", "import", "/nonexistent.img"]);
     assert!(!good && out.contains("/nonexistent.img"), "{out}");
+    image_source(&dir, tmp.path());
 
     // kubectl applies the example; the VMI runs where sched put it.
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm.yaml");
@@ -311,6 +427,7 @@ fn cluster_end_to_end() {
     let node1 = vmi_node(&dir);
     let c1 = wait_console(&dir, "two acks", |c| acks(c).len() >= 2);
     assert_eq!(found(&c1), Some(8), "the imported records are seen:\n{c1}");
+    guest_io_reaches_metrics(&dir, &node1);
     let (good, out) = sheaf(&dir, &["start", "demo"]);
     assert!(!good && out.contains("already running"), "{out}");
     let (good, out) = sheaf(&dir, &["stop", "nosuch"]);

@@ -25,6 +25,8 @@ use sheaf_examples::client::ApiClient;
 use sheaf_examples::cluster::{UpOptions, start, wait_for_signal};
 use sheaf_examples::image::{ImportOptions, ImportProgress, write_probe_disk};
 use sheaf_examples::status::{Snapshot, render};
+use sheaf_orchestrator::agent::{NodeAgent, NodeAgentConfig};
+use sheaf_orchestrator::kube::KubeStore;
 use sheaf_orchestrator::launcher::{LaunchSpec, ReplicaArgs, run_replica, run_vm};
 
 #[derive(Parser, Debug)]
@@ -112,6 +114,36 @@ enum Cmd {
     Vm {
         #[arg(long)]
         spec: PathBuf,
+    },
+    /// (node) Run one node's agent against the cluster's API server
+    /// (what `cluster up --netns` starts in each node namespace; the data
+    /// directory is the node's, `--kubeconfig` the agents' kubeconfig).
+    #[command(hide = true)]
+    Agent {
+        /// Node name.
+        #[arg(long)]
+        node: String,
+        /// Replication secret file.
+        #[arg(long)]
+        secret_file: PathBuf,
+        /// Address replica servers listen on and advertise.
+        #[arg(long)]
+        replica_host: std::net::IpAddr,
+        /// Zone label.
+        #[arg(long)]
+        zone: Option<String>,
+        /// CPU offered to VMs, millicores.
+        #[arg(long, default_value_t = 16_000)]
+        cpu_millis: u64,
+        /// Memory offered to VMs, bytes.
+        #[arg(long, default_value_t = 64 << 30)]
+        memory_bytes: u64,
+        /// Space offered to replicas, bytes.
+        #[arg(long, default_value_t = 256 << 30)]
+        storage_bytes: u64,
+        /// Lease renewal period, milliseconds.
+        #[arg(long, default_value_t = 500)]
+        heartbeat_ms: u64,
     },
     /// (launcher) Serve one replica store.
     #[command(hide = true)]
@@ -234,9 +266,12 @@ fn default_data_dir() -> PathBuf {
 }
 
 fn init_logs(to: Option<&Path>) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new(if to.is_some() { "info" } else { "warn" })
-    });
+    init_logs_at(to, if to.is_some() { "info" } else { "warn" })
+}
+
+fn init_logs_at(to: Option<&Path>, default: &str) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let b = tracing_subscriber::fmt().with_env_filter(filter);
     match to {
         Some(p) => {
@@ -249,7 +284,10 @@ fn init_logs(to: Option<&Path>) -> anyhow::Result<()> {
                 .with_writer(std::sync::Mutex::new(f))
                 .init();
         }
-        None => b.with_writer(std::io::stderr).init(),
+        None => b
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_writer(std::io::stderr)
+            .init(),
     }
     Ok(())
 }
@@ -289,6 +327,32 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 replacement,
             })?;
             Ok(())
+        }
+        Cmd::Agent {
+            node,
+            secret_file,
+            replica_host,
+            zone,
+            cpu_millis,
+            memory_bytes,
+            storage_bytes,
+            heartbeat_ms,
+        } => {
+            // stderr is the node's agent.log.
+            init_logs_at(None, "info")?;
+            let kc = cli
+                .kubeconfig
+                .clone()
+                .context("`sheaf agent` needs --kubeconfig (the cluster's agent.kubeconfig)")?;
+            let exe = std::env::current_exe().context("locating the sheaf binary")?;
+            let mut cfg = NodeAgentConfig::new(&node, &data_dir, exe, secret_file);
+            cfg.replica_host = replica_host;
+            cfg.zone = zone;
+            cfg.cpu_millis = cpu_millis;
+            cfg.memory_bytes = memory_bytes;
+            cfg.storage_bytes = storage_bytes;
+            cfg.heartbeat_interval = Duration::from_millis(heartbeat_ms.clamp(50, 60_000));
+            tokio::runtime::Runtime::new()?.block_on(run_agent(cfg, &kc))
         }
         Cmd::Cluster {
             cmd:
@@ -330,6 +394,43 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+/// `sheaf agent`: one node's agent on a remote store (the cluster's API
+/// server through kube-rs) until SIGTERM/SIGINT; its launchers and replica
+/// servers keep running (a new agent adopts them).
+async fn run_agent(cfg: NodeAgentConfig, kubeconfig: &Path) -> anyhow::Result<()> {
+    let node = cfg.node_name.clone();
+    // The API server may still be starting: retry for a while.
+    let t0 = Instant::now();
+    let store = loop {
+        match KubeStore::from_kubeconfig(kubeconfig).await {
+            Ok(s) => break s,
+            Err(e) if t0.elapsed() < Duration::from_secs(30) => {
+                tracing::warn!(error = %e, "connecting to the API server; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("connecting with {}", kubeconfig.display()));
+            }
+        }
+    };
+    let store: std::sync::Arc<dyn sheaf_orchestrator::store::Store> = std::sync::Arc::new(store);
+    let agent = loop {
+        match NodeAgent::start(cfg.clone(), store.clone()).await {
+            Ok(a) => break a,
+            Err(e) if t0.elapsed() < Duration::from_secs(30) => {
+                tracing::warn!(error = %e, "starting the node agent; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e).context("starting the node agent"),
+        }
+    };
+    tracing::info!(%node, "node agent running");
+    let sig = wait_for_signal().await?;
+    tracing::info!(%node, %sig, "node agent stopping");
+    agent.shutdown();
+    Ok(())
+}
+
 async fn cluster_up(opts: UpOptions) -> anyhow::Result<()> {
     let t0 = Instant::now();
     println!(
@@ -360,13 +461,21 @@ async fn cluster_up(opts: UpOptions) -> anyhow::Result<()> {
     let _ = std::io::stdout().flush();
     let sig = wait_for_signal().await?;
     println!("\n{sig}: stopping the cluster...");
-    running.shutdown().await;
+    let netns = opts.netns;
+    let net_left = running.shutdown().await;
     // Every launcher and replica process got SIGKILL; reap and count.
     let left = wait_children_gone(Duration::from_secs(5));
     if left.is_empty() {
         println!("Stopped; no sheaf process left running.");
     } else {
         println!("Stopped; processes still exiting: {left:?}");
+    }
+    if netns {
+        if net_left.is_empty() {
+            println!("Node network namespaces, veth pairs and the bridge removed.");
+        } else {
+            println!("Could not remove: {}", net_left.join("; "));
+        }
     }
     Ok(())
 }
@@ -531,7 +640,11 @@ async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::R
                 },
         } => image_import(&c, ns, &file, name, size, replicas).await?,
         Cmd::Node { cmd } => node_cmd(&c, cmd).await?,
-        Cmd::Image { .. } | Cmd::Cluster { .. } | Cmd::Vm { .. } | Cmd::Replica { .. } => {}
+        Cmd::Image { .. }
+        | Cmd::Cluster { .. }
+        | Cmd::Vm { .. }
+        | Cmd::Replica { .. }
+        | Cmd::Agent { .. } => {}
     }
     Ok(())
 }

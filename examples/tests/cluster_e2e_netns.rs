@@ -1,0 +1,435 @@
+// SPDX-License-Identifier: Apache-2.0
+//! Issue 9 with `sheaf cluster up --netns`, through the real binaries: each
+//! node is its own process tree (`sheaf agent` + replica servers +
+//! launchers) in a network namespace `up` creates; real `kubectl apply`
+//! runs the probe VM on a 3-replica volume whose replicas listen on the
+//! namespaces' addresses; the guest's writes show in the launcher's guest
+//! I/O histograms on /metrics; `sheaf node kill` SIGKILLs the node's whole
+//! namespace and the VM comes back on another node with every acknowledged
+//! record; `node restart` brings the node back; SIGTERM leaves no process,
+//! namespace or link behind; `up --netns` again brings the VM back.
+//!
+//! Needs root (network namespaces), /dev/kvm and kubectl; skipped with a
+//! message otherwise.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const SHEAF: &str = env!("CARGO_BIN_EXE_sheaf");
+
+struct Cluster {
+    child: Child,
+    out: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(Some(_))) {
+            return;
+        }
+        // SAFETY: signalling our own, not yet reaped, child process.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn sheaf(dir: &Path, args: &[&str]) -> (bool, String) {
+    let o = Command::new(SHEAF)
+        .arg("--data-dir")
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    (o.status.success(), text)
+}
+
+fn ok(dir: &Path, args: &[&str]) -> String {
+    let (good, text) = sheaf(dir, args);
+    assert!(good, "sheaf {args:?} failed:\n{text}");
+    text
+}
+
+fn kubectl(dir: &Path, args: &[&str]) -> String {
+    let o = Command::new("kubectl")
+        .arg("--kubeconfig")
+        .arg(dir.join("admin.kubeconfig"))
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(o.status.success(), "kubectl {args:?} failed:\n{text}");
+    text
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn up(dir: &Path) -> Cluster {
+    let port = free_port();
+    let mut child = Command::new(SHEAF)
+        .arg("--data-dir")
+        .arg(dir)
+        .args(["cluster", "up", "--netns", "--nodes", "3", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let out = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let o2 = out.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if line.contains("Ctrl-C stops the cluster") {
+                let _ = tx.send(());
+            }
+            let mut g = o2.lock().unwrap();
+            g.push_str(&line);
+            g.push('\n');
+        }
+    });
+    let c = Cluster { child, out };
+    if rx.recv_timeout(Duration::from_secs(90)).is_err() {
+        let log = std::fs::read_to_string(dir.join("cluster.log")).unwrap_or_default();
+        panic!(
+            "cluster did not come up:\n{}\n--- cluster.log ---\n{log}",
+            c.out.lock().unwrap()
+        );
+    }
+    c
+}
+
+fn wait_console(dir: &Path, what: &str, pred: impl Fn(&str) -> bool) -> String {
+    let t0 = Instant::now();
+    loop {
+        let (good, c) = sheaf(dir, &["console", "demo", "--no-follow"]);
+        if good && pred(&c) {
+            return c;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "console never showed {what}:\n{c}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn acks(c: &str) -> Vec<u64> {
+    c.lines()
+        .filter_map(|l| l.trim().strip_prefix("log: ack "))
+        .filter_map(|n| n.trim().parse().ok())
+        .collect()
+}
+
+/// The last `log: found N records` (a console may hold several boots).
+fn last_found(c: &str) -> Option<u64> {
+    c.lines().rev().find_map(|l| {
+        l.trim()
+            .strip_prefix("log: found ")?
+            .strip_suffix(" records")?
+            .parse()
+            .ok()
+    })
+}
+
+fn vmi_node(dir: &Path) -> String {
+    kubectl(
+        dir,
+        &["get", "vmi", "demo", "-o", "jsonpath={.status.nodeName}"],
+    )
+    .trim()
+    .to_string()
+}
+
+/// Network namespaces whose name starts with `prefix`.
+fn namespaces(prefix: &str) -> Vec<String> {
+    std::fs::read_dir("/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| n.starts_with(prefix))
+        .collect()
+}
+
+/// Processes in network namespace `/run/netns/<name>`.
+fn pids_in(name: &str) -> Vec<i32> {
+    let Ok(ns) = std::fs::metadata(Path::new("/run/netns").join(name)) else {
+        return Vec::new();
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let m = std::fs::metadata(e.path().join("ns/net")).ok()?;
+            (m.ino() == ns.ino() && m.dev() == ns.dev()).then_some(pid)
+        })
+        .collect()
+}
+
+/// Live processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<(i32, String)> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let state = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .next()?
+                .to_string();
+            (cmd.contains(needle) && state != "Z").then_some((pid, cmd))
+        })
+        .collect()
+}
+
+fn metrics(dir: &Path) -> String {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client =
+        sheaf_examples::client::ApiClient::from_kubeconfig(&dir.join("admin.kubeconfig")).unwrap();
+    let m = rt
+        .block_on(client.send("GET", "/metrics", None, bytes::Bytes::new()))
+        .unwrap();
+    String::from_utf8_lossy(&m.body).into_owned()
+}
+
+/// `sheaf_guest_io_seconds_count` of the demo VM's writes on `node`.
+fn guest_writes(text: &str, node: &str) -> Option<u64> {
+    let key = format!(
+        "sheaf_guest_io_seconds_count{{volume=\"default/probe-disk\",vmi=\"default/demo\",node=\"{node}\",op=\"write\"}} "
+    );
+    text.lines()
+        .find_map(|l| l.strip_prefix(&key))
+        .and_then(|n| n.trim().parse().ok())
+}
+
+/// Stops the cluster and checks nothing of it is left: no process (in
+/// its namespaces or naming its data directory), namespace or link.
+fn stop_and_check_clean(mut c: Cluster, dir: &Path, prefix: &str, bridge: &str) {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(c.child.id() as i32, libc::SIGTERM) };
+    let st = c.child.wait().unwrap();
+    let out = c.out.lock().unwrap().clone();
+    assert!(st.success(), "{out}");
+    assert!(out.contains("no sheaf process left running"), "{out}");
+    assert!(
+        out.contains("Node network namespaces, veth pairs and the bridge removed"),
+        "{out}"
+    );
+    assert!(namespaces(prefix).is_empty(), "{:?}", namespaces(prefix));
+    assert!(
+        !Path::new("/sys/class/net").join(bridge).exists(),
+        "bridge {bridge} left"
+    );
+    let links: Vec<String> = std::fs::read_dir("/sys/class/net")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| n.starts_with(&format!("sh{}n", &bridge["sheaf".len()..])))
+        .collect();
+    assert!(links.is_empty(), "veth links left: {links:?}");
+    let procs = processes_mentioning(&dir.to_string_lossy());
+    assert!(procs.is_empty(), "processes left: {procs:?}");
+    assert!(!dir.join("sheaf.pid").exists());
+}
+
+/// Whether network namespaces can be created here.
+fn netns_usable() -> Result<(), String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("not root".into());
+    }
+    let name = format!("sheaf-e2e-check-{}", std::process::id());
+    let add = Command::new("ip")
+        .args(["netns", "add", &name])
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if !add.status.success() {
+        return Err(String::from_utf8_lossy(&add.stderr).trim().to_string());
+    }
+    let _ = Command::new("ip").args(["netns", "del", &name]).status();
+    Ok(())
+}
+
+#[test]
+fn cluster_end_to_end_netns() {
+    if !Path::new("/dev/kvm").exists() {
+        eprintln!("SKIP: /dev/kvm is absent; the probe guest needs KVM");
+        return;
+    }
+    if let Err(why) = netns_usable() {
+        eprintln!("SKIP: network namespaces are not usable here ({why}); --netns needs root");
+        return;
+    }
+    if Command::new("kubectl")
+        .arg("version")
+        .arg("--client")
+        .output()
+        .is_err()
+    {
+        eprintln!("SKIP: kubectl is not installed (scripts/setup)");
+        return;
+    }
+    let t0 = Instant::now();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir: PathBuf = tmp.path().join("data");
+    let c = up(&dir);
+    let banner = c.out.lock().unwrap().clone();
+    assert_eq!(banner.matches("   Ready").count(), 3, "{banner}");
+    let saved: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("netns.json")).unwrap()).unwrap();
+    let subnet = saved["subnet"].as_str().unwrap().to_string();
+    let third = subnet.split('.').nth(2).unwrap().to_string();
+    let prefix = format!("sheaf{third}-");
+    let bridge = format!("sheaf{third}");
+    let base = subnet.trim_end_matches("0/24").to_string();
+    assert_eq!(namespaces(&prefix).len(), 3, "{:?}", namespaces(&prefix));
+    // Every node runs in its namespace and advertises its address there.
+    for i in 0..3 {
+        let addr = kubectl(
+            &dir,
+            &[
+                "get",
+                "snode",
+                &format!("node-{i}"),
+                "-o",
+                "jsonpath={.status.addresses[?(@.type==\"InternalIP\")].address}",
+            ],
+        );
+        assert_eq!(addr.trim(), format!("{base}{}", 10 + i), "node-{i}");
+        assert!(!pids_in(&format!("{prefix}node-{i}")).is_empty());
+    }
+
+    let raw = tmp.path().join("probe-disk.img");
+    ok(&dir, &["image", "demo", raw.to_str().unwrap()]);
+    let out = ok(
+        &dir,
+        &[
+            "image",
+            "import",
+            raw.to_str().unwrap(),
+            "--name",
+            "probe-disk",
+        ],
+    );
+    assert!(out.contains("raw image, 16777216 bytes"), "{out}");
+    // The replicas listen on the node namespaces' addresses.
+    let addrs = kubectl(
+        &dir,
+        &[
+            "get",
+            "volume",
+            "probe-disk",
+            "-o",
+            "jsonpath={.status.replicas[*].address}",
+        ],
+    );
+    let addrs: Vec<&str> = addrs.split_whitespace().collect();
+    assert_eq!(addrs.len(), 3, "{addrs:?}");
+    assert!(addrs.iter().all(|a| a.starts_with(&base)), "{addrs:?}");
+
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm.yaml");
+    kubectl(&dir, &["apply", "-f", manifest.to_str().unwrap()]);
+    kubectl(
+        &dir,
+        &[
+            "wait",
+            "--for=jsonpath={.status.phase}=Running",
+            "vmi/demo",
+            "--timeout=60s",
+        ],
+    );
+    let node1 = vmi_node(&dir);
+    let c1 = wait_console(&dir, "two acks", |c| acks(c).len() >= 2);
+    assert_eq!(last_found(&c1), Some(8), "{c1}");
+
+    // Guest I/O latency reached /metrics (the launcher writes it every second).
+    let t = Instant::now();
+    let text = loop {
+        let text = metrics(&dir);
+        if guest_writes(&text, &node1).is_some_and(|n| n > 0) {
+            break text;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "{text}");
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert!(text.contains("sheaf_guest_io_seconds_bucket{volume=\"default/probe-disk\""));
+
+    // Kill the VM's node: its whole namespace dies, the VM fails over.
+    let acked = *acks(&ok(&dir, &["console", "demo", "--no-follow"]))
+        .iter()
+        .max()
+        .unwrap();
+    let out = ok(&dir, &["node", "kill", &node1, "--wait"]);
+    assert!(out.contains("running on"), "{out}");
+    assert!(
+        pids_in(&format!("{prefix}{node1}")).is_empty(),
+        "processes left in {node1}'s namespace"
+    );
+    let node2 = vmi_node(&dir);
+    assert_ne!(node1, node2);
+    let c2 = wait_console(&dir, "the new guest's log scan", |c| {
+        last_found(c).is_some_and(|f| f > acked)
+    });
+    assert!(!c2.contains("CORRUPT"), "{c2}");
+    let (good, out) = sheaf(&dir, &["node", "kill", &node1]);
+    assert!(!good && out.contains("already down"), "{out}");
+
+    // The killed node comes back.
+    ok(&dir, &["node", "restart", &node1]);
+    let t = Instant::now();
+    loop {
+        let s = ok(&dir, &["status"]);
+        let line = s.lines().find(|l| l.starts_with(&node1)).unwrap_or("");
+        if line.contains(" Ready") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "{s}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    let acked = *acks(&ok(&dir, &["console", "demo", "--no-follow"]))
+        .iter()
+        .max()
+        .unwrap();
+    stop_and_check_clean(c, &dir, &prefix, &bridge);
+
+    // `up --netns` again: the same subnet, the VM comes back with its disk.
+    let c = up(&dir);
+    let c3 = wait_console(&dir, "the restarted guest's log scan", |c| {
+        last_found(c).is_some_and(|f| f > acked)
+    });
+    assert!(!c3.contains("CORRUPT"), "{c3}");
+    assert_eq!(namespaces(&prefix).len(), 3);
+    stop_and_check_clean(c, &dir, &prefix, &bridge);
+    eprintln!(
+        "cluster end to end (netns): {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+}

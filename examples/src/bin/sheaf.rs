@@ -448,6 +448,20 @@ async fn cluster_up(opts: UpOptions) -> anyhow::Result<()> {
     );
     println!("kubeconfig: {}", kubeconfig.display());
     println!("  export KUBECONFIG={}", kubeconfig.display());
+    if let Some(n) = running.cluster.lock().await.netns() {
+        let net = n.network();
+        let nodes: Vec<String> = net
+            .nodes
+            .iter()
+            .map(|x| format!("{} {} ({})", x.name, x.addr, x.netns))
+            .collect();
+        println!(
+            "Node namespaces on bridge {} {}/24: {}",
+            net.bridge,
+            net.gateway,
+            nodes.join(", ")
+        );
+    }
     let client = ApiClient::from_kubeconfig(&kubeconfig)?;
     let snap = Snapshot::fetch(&client).await?;
     println!();

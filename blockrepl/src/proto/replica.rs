@@ -147,6 +147,16 @@ impl ReplicaCore {
                     return refused(Refusal::Rebuilding);
                 }
                 if tag.index <= info.position.index {
+                    if info.position.epoch < tag.epoch {
+                        // Not a duplicate: this replica went further down
+                        // an older engine's history (operations that were
+                        // never acknowledged) than the one `tag` belongs
+                        // to. It must be rebuilt, never count as holding
+                        // `tag`.
+                        return refused(Refusal::OutOfOrder {
+                            position: info.position,
+                        });
+                    }
                     return Response::Ack(info.position);
                 }
                 if tag.index != info.position.index + 1 {

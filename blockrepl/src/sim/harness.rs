@@ -203,6 +203,52 @@ impl std::fmt::Debug for Sim {
     }
 }
 
+/// A one-line summary of a request (no block data), for trace logs.
+fn brief_req(req: &crate::proto::msg::Request) -> String {
+    use crate::proto::msg::Request as Q;
+    match req {
+        Q::Op { epoch, tag, op } => {
+            let what = match op {
+                crate::proto::msg::Op::Write { lba, data } => {
+                    format!("write {lba}+{}", data.len() / BLOCK_SIZE)
+                }
+                crate::proto::msg::Op::Zero { lba, blocks } => format!("zero {lba}+{blocks}"),
+                other => format!("{other:?}"),
+            };
+            format!("Op e{epoch} {tag} {what}")
+        }
+        Q::Copy {
+            epoch,
+            session,
+            layer,
+            lba,
+            entries,
+        } => format!(
+            "Copy e{epoch} s{session} layer {layer} {lba}+{}",
+            entries.len()
+        ),
+        Q::Repair {
+            epoch, layer, lba, ..
+        } => format!("Repair e{epoch} layer {layer} lba {lba}"),
+        other => format!("{other:?}"),
+    }
+}
+
+/// A one-line summary of a response (no block data), for trace logs.
+fn brief_resp(resp: &crate::proto::msg::Response) -> String {
+    use crate::proto::msg::Response as A;
+    match resp {
+        A::Info(i) => format!(
+            "Info e{} eng {} {:?} pos {} recovered {}",
+            i.epoch, i.engine, i.state, i.position, i.recovered
+        ),
+        A::Ack(t) => format!("Ack {t}"),
+        A::Data { bad, .. } => format!("Data bad {bad:?}"),
+        A::Layer(v) => format!("Layer {:?}", v.iter().map(|(t, _)| *t).collect::<Vec<_>>()),
+        A::Refused(r) => format!("Refused {r:?}"),
+    }
+}
+
 fn factory(d: &SimDisk) -> crate::proto::replica::DirFactory {
     let d = d.clone();
     Box::new(move || -> Box<dyn StoreDir> { Box::new(d.clone()) })
@@ -465,6 +511,11 @@ impl Sim {
     }
 
     fn handle(&mut self, ev: Ev) {
+        let eg = match &ev {
+            Ev::ToEngine { eg, .. } | Ev::Tick { eg } | Ev::ResumeEngine { eg } => Some(*eg),
+            _ => None,
+        };
+        let _span = eg.map(|eg| tracing::debug_span!("engine", eg).entered());
         match ev {
             Ev::ToReplica {
                 to,
@@ -491,7 +542,17 @@ impl Sim {
                 let Some(core) = self.replicas[to].core.as_mut() else {
                     return;
                 };
+                let brief = tracing::enabled!(tracing::Level::TRACE).then(|| brief_req(&frame.req));
                 let resp = core.handle(frame.req);
+                if let Some(req) = brief {
+                    tracing::trace!(
+                        replica = to,
+                        eg,
+                        req,
+                        resp = brief_resp(&resp),
+                        "replica handled"
+                    );
+                }
                 let lat = self.rng.range(20, 120) * self.replicas[to].disk.latency_factor();
                 self.replicas[to].busy_until = self.now + lat;
                 let out = RespFrame { id: frame.id, resp };
@@ -716,6 +777,7 @@ impl Sim {
         if client < self.clients.len() && self.clients[client].pending != Some(hi) {
             return; // timed out already
         }
+        tracing::debug!(op = hi, ok = result.is_ok(), err = ?result.as_ref().err(), now = self.now, "op done");
         if client == usize::MAX
             && let Err(e) = &result
         {
@@ -737,6 +799,7 @@ impl Sim {
                             oracle::decode_value(lba + k as u64, blk)
                         });
                 }
+                tracing::debug!(op = hi, ?values, "read returned");
             }
         }
         if client < self.clients.len() {
@@ -750,6 +813,7 @@ impl Sim {
     fn submit(&mut self, client: usize, kind: OpKind, op: ClientOp) -> Option<usize> {
         let eg = self.current?;
         let hi = self.history.len();
+        tracing::debug!(op = hi, eg, client, ?kind, now = self.now, "op submitted");
         self.history.push(OpRecord {
             kind,
             invoke: self.now,
@@ -765,6 +829,7 @@ impl Sim {
             let t = self.now + CLIENT_TIMEOUT;
             self.at(t, Ev::ClientTimeout { client, op: hi });
         }
+        let _span = tracing::debug_span!("engine", eg).entered();
         if self.engines[g].alive && !self.engine_paused(eg) {
             self.engines[g].engine.submit(id, op);
             self.drain(eg);

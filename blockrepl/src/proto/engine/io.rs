@@ -49,12 +49,12 @@ impl Engine {
             self.repump = true;
         }
         let commit = if self.cfg.bugs.ack_on_first_replica {
-            active.iter().map(|&r| self.peers[r].acked.index).max()
+            active.iter().map(|&r| self.applied_index(r)).max()
         } else {
             if active.len() < self.w() {
                 return;
             }
-            active.iter().map(|&r| self.peers[r].acked.index).min()
+            active.iter().map(|&r| self.applied_index(r)).min()
         };
         let Some(commit) = commit else { return };
         while let Some((&idx, _)) = self.writes.first_key_value() {
@@ -65,6 +65,7 @@ impl Engine {
                 break;
             };
             self.acked_pos = self.acked_pos.max(Tag::new(self.epoch, idx));
+            debug!(index = idx, commit, active = ?active, "ordered op committed");
             let result = match ws.error {
                 Some(e) => Err(Error::InvalidArgument(e)),
                 None => Ok(OpOutput::Done),
@@ -76,6 +77,21 @@ impl Engine {
             self.rb_pump(s);
         }
         self.pump();
+    }
+
+    /// Index up to which replica `r` is known to hold this engine's
+    /// history. Indexes alone do not identify operations across epochs: a
+    /// replica may hold operations of a fenced engine that were never
+    /// acknowledged (say `2:16`, `2:17`) while this engine, which started
+    /// from `2:15`, issues `3:16`, `3:17`. So a position of an older epoch
+    /// counts only up to where this engine's history started.
+    pub(super) fn applied_index(&self, r: ReplicaId) -> u64 {
+        let a = self.peers[r].acked;
+        if a.epoch == self.epoch {
+            a.index
+        } else {
+            a.index.min(self.start_pos.index)
+        }
     }
 
     pub(super) fn check_flushes(&mut self) {

@@ -115,7 +115,17 @@ impl Engine {
         };
         if let Some(i) = self.rb_index(session) {
             let t = self.rebuilds[i].target;
-            self.peers[t].acked = self.peers[t].acked.max(info.position);
+            // The target now holds exactly the prefix up to `start`: what
+            // it reported before (possibly operations of a fenced engine
+            // beyond `start`, see `applied_index`) is gone. Only acks of
+            // this epoch's operations, which are sent after the begin, may
+            // already be newer.
+            let p = &mut self.peers[t];
+            p.acked = if p.acked.epoch == self.epoch {
+                p.acked.max(info.position)
+            } else {
+                info.position
+            };
         }
         self.rb_pump(session);
     }
@@ -195,7 +205,7 @@ impl Engine {
                 return self.rb_abort(session, "source had bad blocks; retry after repair");
             }
             // All ops up to the position must have reached the target.
-            if self.peers[target].acked.index < self.position.index {
+            if self.peers[target].acked < self.position {
                 return;
             }
             self.rebuilds[i].ending = true;

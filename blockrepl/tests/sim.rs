@@ -156,6 +156,13 @@ const REGRESSION_SEEDS: &[u64] = &[
     // replica the loser reached first. The heal restarted every replica
     // and the final scrub raced the engine noticing it.
     1870, 2189, 2589, 3326, 5182, 6621,
+    // A paused engine's write (2:8) was applied on two replicas, which then
+    // both lost power before a flush; the new engine, which had attached at
+    // 2:8 before, re-attached in fallback mode at 2:7 without reporting
+    // lost unflushed writes (it only compared with what it acknowledged
+    // itself), and the woken engine acknowledged 2:8 late: a zero read
+    // after a completed write, in the same era.
+    5632,
 ];
 
 #[test]

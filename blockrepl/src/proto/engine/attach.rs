@@ -109,13 +109,19 @@ impl Engine {
         let Some(src) = self.peers[source].info.clone() else {
             return;
         };
-        // An engine that acknowledged writes itself knows whether any is
-        // missing; a new engine must assume the worst when it fell back.
+        // An engine that acknowledged writes itself knows whether any of
+        // those is missing; a new engine must assume the worst when it fell
+        // back. So must a re-attaching one for the history it started from:
+        // an earlier engine (even a paused one whose replicas' acks were
+        // still on the way) may have acknowledged every operation up to
+        // any position this engine attached at, and a fallback source
+        // below it has lost some of them.
         let lossy = if self.attached_once {
-            src.position < self.acked_pos
+            src.position < self.acked_pos || (fallback && src.position < self.max_start)
         } else {
             fallback
         };
+        self.max_start = self.max_start.max(src.position);
         self.position = src.position;
         self.size_blocks = src.size_blocks;
         self.layers = src.layers.clone();

@@ -505,6 +505,9 @@ pub struct Engine {
     stable: bool,
     /// Position the last attach started from.
     start_pos: Tag,
+    /// Highest position any attach of this engine started from: earlier
+    /// engines may have acknowledged everything up to it.
+    max_start: Tag,
     /// Tick at which the current probe round started.
     probe_started: u64,
     status: EngineStatus,
@@ -554,6 +557,7 @@ impl Engine {
             acked_pos: Tag::default(),
             stable: false,
             start_pos: Tag::default(),
+            max_start: Tag::default(),
             probe_started: 0,
             status: EngineStatus {
                 phase: Phase::Probing,

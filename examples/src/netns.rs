@@ -191,13 +191,36 @@ impl Network {
             ip(&["-4", "route", "show", "table", "all"])?
         );
         let mine = |n: u8| link_alias(&format!("sheaf{n}")).as_deref() == Some(owner.as_str());
-        let saved: Option<u8> = std::fs::read(&saved_path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Saved>(&b).ok())
-            .and_then(|s| {
-                let third = s.subnet.split('.').nth(2)?;
-                third.parse().ok()
-            });
+        if nodes > 200 {
+            return Err(NetnsError::Conflict(format!(
+                "{nodes} nodes do not fit in one /24 (at most 200 with --netns)"
+            )));
+        }
+        let saved: Option<u8> = match std::fs::read(&saved_path) {
+            Ok(b) => {
+                let parsed = serde_json::from_slice::<Saved>(&b).ok().and_then(|s| {
+                    let o: Vec<&str> = s.subnet.split(['.', '/']).collect();
+                    let want = [BASE[0].to_string(), BASE[1].to_string()];
+                    match o.as_slice() {
+                        [a, b, n, "0", "24"]
+                            if [*a, *b] == [want[0].as_str(), want[1].as_str()] =>
+                        {
+                            n.parse::<u8>().ok().filter(|n| (1..=254).contains(n))
+                        }
+                        _ => None,
+                    }
+                });
+                Some(parsed.ok_or_else(|| {
+                    NetnsError::Conflict(format!(
+                        "{}: expected {{\"subnet\": \"10.213.N.0/24\"}} with N in 1..=254; \
+                         fix it or remove it to pick a free subnet",
+                        saved_path.display()
+                    ))
+                })?)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(io_err(&saved_path)(e)),
+        };
         let index = match saved {
             // Ours (maybe left by a crashed `up`), or free.
             Some(n)
@@ -230,11 +253,6 @@ impl Network {
                 n
             }
         };
-        if nodes > 200 {
-            return Err(NetnsError::Conflict(format!(
-                "{nodes} nodes do not fit in one /24"
-            )));
-        }
         let nodes = (0..nodes)
             .map(|i| NodeNet {
                 name: format!("node-{i}"),

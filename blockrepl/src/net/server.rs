@@ -2,22 +2,28 @@
 //! The replica server (one store, many engine connections) and the engine's
 //! client link to a remote replica.
 //!
-//! A replica's store lives on one dedicated thread ([`ReplicaThread`]):
-//! requests from every connection queue to it in arrival order, so a
-//! connection's requests are applied in the order sent and answered in that
-//! order (pipelined, no head-of-line wait on the network side).
+//! A replica's store is owned by a [`ReplicaThread`]: a mutex-guarded
+//! [`ReplicaCore`] plus a thread that serves in-process (local) engines
+//! through a queue. A network connection applies its requests *inline* in
+//! its own task (under the mutex, in the order received, answered in that
+//! order): one wake-up per batch of frames instead of three hops (reader
+//! task, store thread, writer task) per request. Responses are queued and
+//! written when no further complete request is buffered, so a pipelined
+//! batch is read with one syscall and answered with one.
 
 use std::net::SocketAddr;
 use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::io::BufReader;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::{Secret, client_handshake, server_handshake};
+use super::{READ_BUFFER, Secret, client_handshake, server_handshake};
 use crate::error::{Error, Result};
-use crate::proto::msg::{ReqFrame, RespFrame};
+use crate::proto::msg::{Refusal, ReqFrame, RespFrame, Response};
 use crate::proto::replica::ReplicaCore;
 
 /// Where a replica thread sends a response: the channel and a tag the
@@ -30,10 +36,28 @@ struct Job {
     tag: usize,
 }
 
-/// Handle to the thread that owns a replica's store.
-#[derive(Clone, Debug)]
+/// Handle to a replica's store: the core behind a mutex, and a thread
+/// that applies queued requests of in-process engines.
+#[derive(Clone)]
 pub struct ReplicaThread {
     tx: std_mpsc::Sender<Job>,
+    core: Arc<Mutex<ReplicaCore>>,
+}
+
+impl std::fmt::Debug for ReplicaThread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReplicaThread(..)")
+    }
+}
+
+/// Applies one request under the core's lock. A poisoned lock (a handler
+/// panicked half-way) is never used again: the request gets a fault answer.
+fn apply(core: &Mutex<ReplicaCore>, frame: ReqFrame) -> RespFrame {
+    let resp = match core.lock() {
+        Ok(mut c) => c.handle(frame.req),
+        Err(_) => Response::Refused(Refusal::Faulted),
+    };
+    RespFrame { id: frame.id, resp }
 }
 
 impl std::fmt::Debug for Job {
@@ -44,20 +68,16 @@ impl std::fmt::Debug for Job {
 
 impl ReplicaThread {
     /// Starts the thread; it ends when every handle is dropped.
-    pub fn spawn(mut core: ReplicaCore, name: &str) -> Result<ReplicaThread> {
+    pub fn spawn(core: ReplicaCore, name: &str) -> Result<ReplicaThread> {
         let (tx, rx) = std_mpsc::channel::<Job>();
+        let core = Arc::new(Mutex::new(core));
+        let shared = core.clone();
         std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
                 while let Ok(job) = rx.recv() {
-                    let resp = core.handle(job.frame.req);
-                    let _ = job.reply.send((
-                        job.tag,
-                        RespFrame {
-                            id: job.frame.id,
-                            resp,
-                        },
-                    ));
+                    let resp = apply(&shared, job.frame);
+                    let _ = job.reply.send((job.tag, resp));
                 }
                 debug!("replica thread exiting");
             })
@@ -65,7 +85,20 @@ impl ReplicaThread {
                 op: "spawn replica thread",
                 source,
             })?;
-        Ok(ReplicaThread { tx })
+        Ok(ReplicaThread { tx, core })
+    }
+
+    /// Applies a request in the calling task and returns its answer. On a
+    /// multi-threaded tokio runtime the (possibly blocking) store call runs
+    /// under `block_in_place`, so other tasks move to another worker.
+    pub fn apply_inline(&self, frame: ReqFrame) -> RespFrame {
+        let multi = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi {
+            tokio::task::block_in_place(|| apply(&self.core, frame))
+        } else {
+            apply(&self.core, frame)
+        }
     }
 
     /// Queues a request; the response goes to `reply` tagged with `tag`.
@@ -100,40 +133,26 @@ async fn serve_conn(
 ) -> Result<()> {
     let _ = sock.set_nodelay(true);
     let (r, w) = sock.into_split();
+    let r = BufReader::with_capacity(READ_BUFFER, r);
     let (mut rd, mut wr) =
         tokio::time::timeout(Duration::from_secs(10), server_handshake(r, w, &secret))
             .await
             .map_err(|_| Error::Auth("handshake timed out".into()))??;
     info!(%peer, "engine connected");
-    let (tx, mut rx) = mpsc::unbounded_channel::<(usize, RespFrame)>();
-    let writer = tokio::spawn(async move {
-        while let Some((_, resp)) = rx.recv().await {
-            if wr.send(&resp.encode()).await.is_err() {
-                break;
-            }
-            // Coalesce: flush only when no more responses are ready.
-            if rx.is_empty() && wr.flush().await.is_err() {
-                break;
-            }
-        }
-    });
-    let res = loop {
-        let frame = match rd.recv().await {
-            Ok(Some(f)) => f,
-            Ok(None) => break Ok(()),
-            Err(e) => break Err(e),
+    loop {
+        let frame = match rd.recv().await? {
+            Some(f) => f,
+            None => return wr.flush().await,
         };
-        let req = match ReqFrame::decode(&frame) {
-            Ok(r) => r,
-            Err(e) => break Err(Error::Decode(e)),
-        };
-        if !replica.submit(req, tx.clone(), 0) {
-            break Err(Error::Replica("replica thread stopped".into()));
+        let req = ReqFrame::decode(&frame).map_err(Error::Decode)?;
+        drop(frame);
+        let resp = replica.apply_inline(req);
+        wr.send(&resp.encode()).await?;
+        // Coalesce: answer the batch once no further request is buffered.
+        if !rd.frame_buffered() {
+            wr.flush().await?;
         }
-    };
-    drop(tx);
-    let _ = writer.await;
-    res
+    }
 }
 
 /// Keeps a connection to a remote replica for an engine: reconnects with
@@ -157,6 +176,7 @@ pub async fn remote_link(
                 })?;
             let _ = sock.set_nodelay(true);
             let (r, w) = sock.into_split();
+            let r = BufReader::with_capacity(READ_BUFFER, r);
             tokio::time::timeout(Duration::from_secs(5), client_handshake(r, w, &secret))
                 .await
                 .map_err(|_| Error::Auth("handshake timed out".into()))?

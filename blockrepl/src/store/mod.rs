@@ -94,6 +94,57 @@ pub struct Store {
     checkpoint_bytes: u64,
 }
 
+/// Longest checkpoint copy run (blocks).
+const MAX_RUN: u64 = 256;
+
+/// Consecutive blocks of one layer whose data sits consecutively in the WAL.
+#[derive(Default)]
+struct CopyRun {
+    li: usize,
+    lba: u64,
+    wal_off: u64,
+    blocks: u64,
+}
+
+impl CopyRun {
+    /// Appends block `lba` at WAL offset `off` if it continues the run.
+    fn extends(&mut self, li: usize, lba: u64, off: u64) -> bool {
+        let ok = self.blocks > 0
+            && self.blocks < MAX_RUN
+            && self.li == li
+            && self.lba + self.blocks == lba
+            && self.wal_off + self.blocks * BLOCK_SIZE_U64 == off;
+        if ok {
+            self.blocks += 1;
+        }
+        ok
+    }
+}
+
+/// Blocks of one read that sit consecutively in one file: `(index in the
+/// read, expected checksum)` each.
+struct ReadRun {
+    li: usize,
+    wal: bool,
+    off: u64,
+    blocks: Vec<(usize, u32)>,
+}
+
+/// Consecutive metadata entries of one layer.
+#[derive(Default)]
+struct MetaRun {
+    li: usize,
+    lba: u64,
+    bytes: Vec<u8>,
+}
+
+impl MetaRun {
+    fn extends(&self, li: usize, lba: u64) -> bool {
+        let n = (self.bytes.len() / META_SIZE) as u64;
+        n > 0 && n < MAX_RUN && self.li == li && self.lba + n == lba
+    }
+}
+
 fn layer_names(id: u64) -> (String, String) {
     (format!("layer-{id}.data"), format!("layer-{id}.meta"))
 }
@@ -363,13 +414,10 @@ impl Store {
     fn append(&mut self, h: WalHeader, data: &[u8]) -> Result<()> {
         let hdr = h.encode(data);
         let off = self.wal_len;
-        let mut rec = Vec::with_capacity(WAL_HDR + data.len());
-        rec.extend_from_slice(&hdr);
-        rec.extend_from_slice(data);
         self.wal
-            .write_at(&rec, off)
+            .write2_at(&hdr, data, off)
             .map_err(Error::store("append wal"))?;
-        self.wal_len += rec.len() as u64;
+        self.wal_len += (WAL_HDR + data.len()) as u64;
         self.apply_record(&h, data, off)
     }
 
@@ -542,25 +590,87 @@ impl Store {
             return Err(Error::InvalidArgument("buffer length mismatch".into()));
         }
         let mut bad = Vec::new();
-        for i in 0..nblocks as u64 {
-            let b = lba + i;
-            let buf = &mut out[i as usize * BLOCK_SIZE..(i as usize + 1) * BLOCK_SIZE];
+        // Blocks stored contiguously in one file (a layer's data file or the
+        // WAL) are read with one call, then verified block by block.
+        let mut run: Option<ReadRun> = None;
+        for i in 0..nblocks as usize {
+            let b = lba + i as u64;
             let mut found = false;
             for li in (0..self.layers.len()).rev() {
                 if let Some(e) = self.layers[li].blocks.get(&b) {
-                    if !self.read_entry(li, b, e, buf) {
-                        buf.fill(0);
-                        bad.push((b, self.layers[li].info.id));
-                    }
                     found = true;
+                    let file = match e.loc {
+                        _ if e.meta.is_zero() => None,
+                        Loc::Layer => Some((li, false, b * BLOCK_SIZE_U64)),
+                        Loc::Wal(off) => Some((li, true, off)),
+                        Loc::Damaged => None,
+                    };
+                    match file {
+                        Some((li, wal, off)) => {
+                            if let Some(r) = run.as_mut()
+                                && r.li == li
+                                && r.wal == wal
+                                && r.off + (r.blocks.len() * BLOCK_SIZE) as u64 == off
+                                && r.blocks.len() < MAX_RUN as usize
+                            {
+                                r.blocks.push((i, e.meta.crc));
+                            } else {
+                                if let Some(r) = run.take() {
+                                    self.read_run(lba, &r, out, &mut bad);
+                                }
+                                run = Some(ReadRun {
+                                    li,
+                                    wal,
+                                    off,
+                                    blocks: vec![(i, e.meta.crc)],
+                                });
+                            }
+                        }
+                        None => {
+                            let buf = &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+                            if !self.read_entry(li, b, e, buf) {
+                                buf.fill(0);
+                                bad.push((b, self.layers[li].info.id));
+                            }
+                        }
+                    }
                     break;
                 }
             }
             if !found {
-                buf.fill(0);
+                out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE].fill(0);
             }
         }
+        if let Some(r) = run.take() {
+            self.read_run(lba, &r, out, &mut bad);
+        }
+        bad.sort_unstable();
         Ok(bad)
+    }
+
+    /// Reads a run of blocks found contiguous in one file into their places
+    /// in `out` (`out` starts at block `lba`) and verifies each; a failed
+    /// run read falls back to block reads so only unreadable blocks are bad.
+    fn read_run(&self, lba: u64, run: &ReadRun, out: &mut [u8], bad: &mut Vec<(u64, u64)>) {
+        let file = if run.wal {
+            &self.wal
+        } else {
+            &self.layers[run.li].data
+        };
+        let layer_id = self.layers[run.li].info.id;
+        let (first, _) = run.blocks[0];
+        let span = &mut out[first * BLOCK_SIZE..(first + run.blocks.len()) * BLOCK_SIZE];
+        let whole = file.read_at(span, run.off).is_ok();
+        for (k, &(i, crc)) in run.blocks.iter().enumerate() {
+            let b = lba + i as u64;
+            let buf = &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+            let ok = (whole || file.read_at(buf, run.off + (k * BLOCK_SIZE) as u64).is_ok())
+                && block_crc(b, buf) == crc;
+            if !ok {
+                buf.fill(0);
+                bad.push((b, layer_id));
+            }
+        }
     }
 
     /// Reads one layer's copy of `nblocks` blocks (for rebuild, scrub and
@@ -620,7 +730,10 @@ impl Store {
         self.wal.sync().map_err(Error::store("sync wal"))?;
         let dirty = std::mem::take(&mut self.dirty);
         let mut touched = BTreeSet::new();
-        let mut buf = vec![0u8; BLOCK_SIZE];
+        // Contiguous blocks are copied and their metadata written in runs
+        // (one read and one write per run instead of three calls per block).
+        let mut data_run = CopyRun::default();
+        let mut meta_run = MetaRun::default();
         for &(layer, lba) in &dirty {
             let Some(li) = self.layer_index(layer) else {
                 continue;
@@ -641,28 +754,35 @@ impl Store {
                             .data
                             .punch_hole(lba * BLOCK_SIZE_U64, BLOCK_SIZE_U64)
                             .map_err(Error::store("checkpoint"))?;
-                    } else if let Loc::Wal(off) = e.loc {
-                        self.wal
-                            .read_at(&mut buf, off)
-                            .map_err(Error::store("checkpoint"))?;
-                        self.layers[li]
-                            .data
-                            .write_at(&buf, lba * BLOCK_SIZE_U64)
-                            .map_err(Error::store("checkpoint"))?;
+                    } else if let Loc::Wal(off) = e.loc
+                        && !data_run.extends(li, lba, off)
+                    {
+                        self.copy_run(&data_run)?;
+                        data_run = CopyRun {
+                            li,
+                            lba,
+                            wal_off: off,
+                            blocks: 1,
+                        };
                     }
                     e.meta.encode()
                 }
             };
-            self.layers[li]
-                .meta
-                .write_at(&meta_bytes, lba * META_SIZE as u64)
-                .map_err(Error::store("checkpoint"))?;
+            if !meta_run.extends(li, lba) {
+                self.write_meta_run(&meta_run)?;
+                meta_run.li = li;
+                meta_run.lba = lba;
+                meta_run.bytes.clear();
+            }
+            meta_run.bytes.extend_from_slice(&meta_bytes);
             if let Some(e) = self.layers[li].blocks.get_mut(&lba)
                 && matches!(e.loc, Loc::Wal(_))
             {
                 e.loc = Loc::Layer;
             }
         }
+        self.copy_run(&data_run)?;
+        self.write_meta_run(&meta_run)?;
         for li in touched {
             self.layers[li]
                 .data
@@ -679,6 +799,32 @@ impl Store {
         self.wal.set_len(0).map_err(Error::store("truncate wal"))?;
         self.wal_len = 0;
         Ok(())
+    }
+
+    /// Copies a run of WAL-resident blocks into its layer's data file.
+    fn copy_run(&mut self, run: &CopyRun) -> Result<()> {
+        if run.blocks == 0 {
+            return Ok(());
+        }
+        let mut buf = vec![0u8; run.blocks as usize * BLOCK_SIZE];
+        self.wal
+            .read_at(&mut buf, run.wal_off)
+            .map_err(Error::store("checkpoint"))?;
+        self.layers[run.li]
+            .data
+            .write_at(&buf, run.lba * BLOCK_SIZE_U64)
+            .map_err(Error::store("checkpoint"))
+    }
+
+    /// Writes a run of consecutive metadata entries of one layer.
+    fn write_meta_run(&mut self, run: &MetaRun) -> Result<()> {
+        if run.bytes.is_empty() {
+            return Ok(());
+        }
+        self.layers[run.li]
+            .meta
+            .write_at(&run.bytes, run.lba * META_SIZE as u64)
+            .map_err(Error::store("checkpoint"))
     }
 
     fn write_sb(&mut self) -> Result<()> {

@@ -4,6 +4,7 @@
 sheaf 3 replicas on loopback, all measured with fio's nbd engine in one run.
 
     benches/nbd_compare.py [--runtime 10] [--size-mib 512] [--no-docs] [--bindir DIR]
+                           [--baseline-bindir DIR]
 
 Builds sheaf-blockd and sheaf-replica (release), starts
 
@@ -17,6 +18,10 @@ shared machine hits all of them alike). Prints IOPS, bandwidth and p50/p99
 completion latency with ratios to qemu-nbd, checks the goals, and rewrites the
 "Block frontends" section of docs/benchmarks.md with a PNG plot
 (docs/img/nbd_compare.png, needs matplotlib).
+
+With --baseline-bindir, a second pair of sheaf targets ("... (before)")
+runs binaries from that directory in the same run, interleaved with the
+others: before/after figures of a change under the same load.
 """
 
 import argparse
@@ -93,12 +98,14 @@ def free_port():
     return port
 
 
+BEFORE = " (before)"
+
+
 class Servers:
-    def __init__(self, bindir, work, size):
+    def __init__(self, bindir, work, size, baseline=None):
         self.procs = []
         self.uris = {}
         quiet = subprocess.DEVNULL
-        env = dict(os.environ, RUST_LOG="warn")
         # qemu-nbd over a raw file.
         raw = work / "ref.raw"
         with open(raw, "wb") as f:
@@ -109,6 +116,15 @@ class Servers:
         self.procs.append(p)
         wait_for(sock, "qemu-nbd", p)
         self.uris["qemu-nbd"] = f"nbd+unix:///ref?socket={sock}"
+        if baseline:
+            before = work / "before"
+            before.mkdir()
+            self.sheaf(baseline, before, size, BEFORE)
+        self.sheaf(bindir, work, size, "")
+
+    def sheaf(self, bindir, work, size, label):
+        quiet = subprocess.DEVNULL
+        env = dict(os.environ, RUST_LOG="warn")
         # sheaf, one local replica.
         d1 = work / "one"
         subprocess.run([bindir / "sheaf-blockd", "create", "--dir", d1, "--size", str(size)],
@@ -118,7 +134,7 @@ class Servers:
                               "--export", f"vol={d1}"], stderr=quiet, env=env)
         self.procs.append(p)
         wait_for(sock, "sheaf-blockd (1 replica)", p)
-        self.uris["sheaf 1 replica"] = f"nbd+unix:///vol?socket={sock}"
+        self.uris["sheaf 1 replica" + label] = f"nbd+unix:///vol?socket={sock}"
         # sheaf, three sheaf-replica processes on loopback.
         secret = work / "secret"
         secret.write_bytes(os.urandom(32))
@@ -137,7 +153,7 @@ class Servers:
                               "--secret-file", secret], stderr=quiet, env=env)
         self.procs.append(p)
         wait_for(sock, "sheaf-blockd (3 replicas)", p)
-        self.uris["sheaf 3 replicas"] = f"nbd+unix:///vol?socket={sock}"
+        self.uris["sheaf 3 replicas" + label] = f"nbd+unix:///vol?socket={sock}"
 
     def stop(self):
         for p in reversed(self.procs):
@@ -181,7 +197,12 @@ def main():
     ap.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     ap.add_argument("--bindir", type=Path,
                     help="use sheaf-blockd and sheaf-replica from here instead of building")
+    ap.add_argument("--baseline-bindir", type=Path,
+                    help="also measure sheaf-blockd/sheaf-replica from this directory "
+                         "(targets marked '(before)') in the same run")
     args = ap.parse_args()
+    if args.baseline_bindir:
+        TARGETS[1:1] = [t + BEFORE for t in TARGETS[1:]]
     for tool in ("fio", "qemu-nbd"):
         if not shutil.which(tool):
             raise SystemExit(f"{tool} missing: run scripts/setup")
@@ -191,7 +212,7 @@ def main():
     loads = []
     with tempfile.TemporaryDirectory(prefix="sheaf-nbd-bench-", dir="/var/tmp") as tmp:
         work = Path(tmp)
-        servers = Servers(bindir, work, size)
+        servers = Servers(bindir, work, size, args.baseline_bindir)
         try:
             for t in TARGETS:
                 log(f"filling {t}")
@@ -263,10 +284,11 @@ def plot(results):
         return None
     names = [w[0] for w in WORKLOADS]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    width = 0.27
-    colors = {"qemu-nbd": "#888888", "sheaf 1 replica": "#2b7bba", "sheaf 3 replicas": "#e07b39"}
+    width = 0.8 / len(TARGETS)
+    colors = {"qemu-nbd": "#888888", "sheaf 1 replica": "#2b7bba", "sheaf 3 replicas": "#e07b39",
+              "sheaf 1 replica" + BEFORE: "#a6c8e4", "sheaf 3 replicas" + BEFORE: "#f2c6a5"}
     for i, t in enumerate(TARGETS):
-        xs = [j + (i - 1) * width for j in range(len(names))]
+        xs = [j + (i - (len(TARGETS) - 1) / 2) * width for j in range(len(names))]
         ratios = [results[(n, t)]["iops"] / max(results[(n, "qemu-nbd")]["iops"], 1e-9)
                   for n in names]
         ax1.bar(xs, ratios, width, label=t, color=colors[t])
@@ -306,7 +328,10 @@ def write_docs(table, goals, png, args):
         "on the same filesystem. sheaf 3 replicas: three `sheaf-replica` processes on "
         "127.0.0.1, every write acknowledged by all three. The load column is the 1-minute "
         "load average during the run: numbers from a loaded machine are noisy, compare "
-        "ratios within one run.",
+        "ratios within one run."
+        + (" Targets marked \"(before)\" run the binaries of `--baseline-bindir` "
+           "(the code before the change being measured) in the same run."
+           if args.baseline_bindir else ""),
         "",
     ]
     if png:
@@ -315,7 +340,8 @@ def write_docs(table, goals, png, args):
                 "Where the time goes (profiles) and what would close the gaps: "
                 "[frontends.md, Performance](frontends.md#performance).",
                 "",
-                "Regenerate: `python3 benches/nbd_compare.py` (add `--no-docs` to only print).",
+                "Regenerate: `python3 benches/nbd_compare.py` (add `--no-docs` to only print, "
+                "`--baseline-bindir DIR` to measure older binaries side by side).",
                 ""]
     new = "\n".join(section)
     start = text.find("## Block frontends")

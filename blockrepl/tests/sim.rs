@@ -163,6 +163,12 @@ const REGRESSION_SEEDS: &[u64] = &[
     // itself), and the woken engine acknowledged 2:8 late: a zero read
     // after a completed write, in the same era.
     5632,
+    // Harness: block damage on the only durable copy (a latent sector
+    // error on the replica that had checkpointed 1:11), then a power loss
+    // of the two replicas whose copies were still unsynced: a second
+    // failure before the first was repaired. Power loss now waits until
+    // the damage is repaired (`damage_elsewhere`).
+    8891,
 ];
 
 #[test]

@@ -186,6 +186,8 @@ pub struct Sim {
     snap_n: u64,
     /// Power losses injected so far (single node or total).
     power_losses: u64,
+    /// Replicas that received block damage not known to be repaired.
+    damaged: Vec<bool>,
     /// Violations found while running (not by the oracle).
     run_violations: Vec<String>,
     /// Error of the last failed harness operation (final scrub and reads).
@@ -312,6 +314,7 @@ impl Sim {
             healing: false,
             snap_n: 0,
             power_losses: 0,
+            damaged: vec![false; n],
             run_violations: Vec::new(),
             final_error: None,
             last_scrub: None,
@@ -946,6 +949,11 @@ impl Sim {
                 let t = self.now + self.rng.range(2_000, 80_000);
                 self.at(t, Ev::RestartReplica { r });
             }
+            4 if self.damage_elsewhere(Some(r)) => {
+                // Would leave a damaged copy as the only durable one (see
+                // `damage_elsewhere`): not injected.
+                self.faults -= 1;
+            }
             4 => {
                 // Power loss of one node: unsynced writes kept, dropped or torn.
                 self.power_losses += 1;
@@ -979,12 +987,15 @@ impl Sim {
             7 => {
                 let mut rng = self.rng.fork();
                 self.replicas[r].disk.bit_rot(&mut rng);
+                self.damaged[r] = true;
             }
             8 => {
                 let mut rng = self.rng.fork();
                 self.replicas[r].disk.latent_error(&mut rng);
+                self.damaged[r] = true;
             }
             9 => {
+                self.damaged[r] = true;
                 let mut f = self.replicas[r].disk.faults();
                 f.misdirect = 0.05;
                 self.replicas[r].disk.set_faults(f);
@@ -1021,7 +1032,11 @@ impl Sim {
                 }
             }
             _ => {
-                if self.rng.chance(0.3) {
+                let total = self.rng.chance(0.3);
+                if total && self.damage_elsewhere(None) {
+                    // See `damage_elsewhere`: not injected.
+                    self.faults -= 1;
+                } else if total {
                     // Total power loss: every replica and the engine.
                     self.power_losses += 1;
                     for i in 0..self.replicas.len() {
@@ -1076,6 +1091,36 @@ impl Sim {
         (0..self.replicas.len())
             .filter(|&o| o != r)
             .all(|o| !self.has_bad_copy(o))
+    }
+
+    /// True if a replica other than `except` holds block damage that was
+    /// not repaired yet (a down replica counts as long as it was damaged).
+    ///
+    /// Damage is injected only while every other replica holds the same
+    /// content, but their copies of recent writes may still be unsynced: a
+    /// power loss of those replicas then drops them (unflushed writes may
+    /// be lost), and the damaged copy is the only one left: the second
+    /// failure came before the first one was repaired, which is beyond the
+    /// redundancy (see `damage_allowed`). So no power loss hits the other
+    /// replicas until the damage is repaired.
+    fn damage_elsewhere(&mut self, except: Option<usize>) -> bool {
+        let mut any = false;
+        for o in 0..self.replicas.len() {
+            if !self.damaged[o] {
+                continue;
+            }
+            let up = self.replicas[o]
+                .core
+                .as_ref()
+                .and_then(|c| c.store())
+                .is_some();
+            if up && !self.has_bad_copy(o) {
+                self.damaged[o] = false;
+            } else if Some(o) != except {
+                any = true;
+            }
+        }
+        any
     }
 
     /// True if replica `o` is down or holds a copy that fails verification.

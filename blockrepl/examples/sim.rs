@@ -133,9 +133,11 @@ fn main() {
     println!("elapsed:              {:.1?}", t0.elapsed());
     if !failing.is_empty() {
         let shown: Vec<String> = failing.iter().take(20).map(|s| s.to_string()).collect();
+        println!("failing seeds:        {}", shown.join(" "));
         println!(
-            "failing seeds:        {} (replay with --seed S)",
-            shown.join(" ")
+            "replay:               RUST_LOG=sheaf_blockrepl=debug cargo run --profile test -p sheaf-blockrepl --example sim --{} --seed {}",
+            if args.zombie { " --zombie" } else { "" },
+            failing[0]
         );
         std::process::exit(1);
     }

@@ -3,10 +3,11 @@
 //!
 //! * fault-free seeds must be perfect;
 //! * the oracle must catch deliberately injected protocol bugs;
-//! * the full fault run (`SHEAF_SIM_SEEDS`, default 10,000 seeds) must show
-//!   no violation. It is `#[ignore]`d until the open simulator findings
-//!   listed in docs/dev/STATUS.md are fixed: run it with
-//!   `cargo test -p sheaf-blockrepl --test sim -- --ignored`.
+//! * the full fault run (`SHEAF_SIM_SEEDS`, default 10,000 seeds, about a
+//!   minute on 2 cores) must show no violation, except on the seeds listed
+//!   in [`KNOWN_OPEN_SEEDS`] (open findings, docs/dev/STATUS.md issue 4),
+//!   which are run and reported but do not fail the test. Every failing
+//!   seed prints its replay command.
 #![allow(clippy::unwrap_used)]
 
 use std::sync::Arc;
@@ -214,21 +215,76 @@ fn zombie_regression_seeds() {
     }
 }
 
-/// The full fault run. See the module doc for why it is ignored for now.
+/// Seeds with an open finding: run and reported by
+/// `ten_thousand_seeds_with_faults`, but not failing it. Each one must be
+/// described in docs/dev/STATUS.md (issue 4) and removed once fixed.
+const KNOWN_OPEN_SEEDS: &[u64] = &[
+    // The only in-sync replica holds a damaged metadata entry (tag unknown)
+    // in layer 2 block 5 where the other replicas hold nothing: no peer can
+    // prove the block's content, every rebuild aborts, the volume never
+    // converges after heal.
+    5683,
+];
+
+/// The full fault run: 10,000 seeds (or `SHEAF_SIM_SEEDS`).
 #[test]
-#[ignore = "open simulator findings, see docs/dev/STATUS.md"]
 fn ten_thousand_seeds_with_faults() {
     let n: u64 = std::env::var("SHEAF_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(10_000);
+    let t0 = std::time::Instant::now();
     let rs = run_seeds(0..n, SimConfig::new);
-    println!("{}", summary(&rs));
+    println!("{} in {:.1?}", summary(&rs), t0.elapsed());
+    let mut failures = Vec::new();
+    for r in rs.iter().filter(|r| !r.violations.is_empty()) {
+        let known = KNOWN_OPEN_SEEDS.contains(&r.seed);
+        let line = format!(
+            "seed {}{} (replay: cargo run --profile test -p sheaf-blockrepl --example sim -- --seed {}): {}",
+            r.seed,
+            if known { " [known open finding]" } else { "" },
+            r.seed,
+            r.violations.first().map_or("", String::as_str)
+        );
+        println!("{line}");
+        if !known {
+            failures.push(line);
+        }
+    }
     assert!(
-        rs.iter().all(|r| r.violations.is_empty()),
-        "{}",
-        summary(&rs)
+        failures.is_empty(),
+        "{} failing seeds:\n{}",
+        failures.len(),
+        failures.join("\n")
     );
+    assert!(rs.iter().all(|r| r.acked_lost == 0), "{}", summary(&rs));
+}
+
+/// Partitions and engine pauses only (zombie engines): 2,000 seeds (or
+/// `SHEAF_SIM_ZOMBIE_SEEDS`), none may fail.
+#[test]
+fn zombie_seeds() {
+    let n: u64 = std::env::var("SHEAF_SIM_ZOMBIE_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2_000);
+    let rs = run_seeds(0..n, |s| {
+        let mut c = SimConfig::new(s);
+        c.zombie_faults_only = true;
+        c
+    });
+    println!("{}", summary(&rs));
+    let failing: Vec<String> = rs
+        .iter()
+        .filter(|r| !r.violations.is_empty())
+        .map(|r| {
+            format!(
+                "zombie seed {} (replay: cargo run --profile test -p sheaf-blockrepl --example sim -- --zombie --seed {}): {:?}",
+                r.seed, r.seed, r.violations
+            )
+        })
+        .collect();
+    assert!(failing.is_empty(), "{}", failing.join("\n"));
 }
 
 /// A tiny synchronous world for one targeted scenario: engines and

@@ -220,9 +220,9 @@ fn zombie_regression_seeds() {
 /// described in docs/dev/STATUS.md (issue 4) and removed once fixed.
 const KNOWN_OPEN_SEEDS: &[u64] = &[
     // The only in-sync replica holds a damaged metadata entry (tag unknown)
-    // in layer 2 block 5 where the other replicas hold nothing: no peer can
-    // prove the block's content, every rebuild aborts, the volume never
-    // converges after heal.
+    // in layer 2 block 5, left by DeleteSnapshot merging a bad copy of 1:6:
+    // a replica that is not in sync holds a good 1:6 copy, but without the
+    // tag it cannot be used; every rebuild aborts, no convergence.
     5683,
 ];
 

@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 
 use super::{READ_BUFFER, Secret, client_handshake, server_handshake};
 use crate::error::{Error, Result};
-use crate::proto::msg::{Refusal, ReqFrame, RespFrame, Response};
+use crate::proto::msg::{Op, Refusal, ReqFrame, Request, RespFrame, Response};
 use crate::proto::replica::ReplicaCore;
 
 /// Where a replica thread sends a response: the channel and a tag the
@@ -92,8 +92,23 @@ impl ReplicaThread {
     /// multi-threaded tokio runtime the (possibly blocking) store call runs
     /// under `block_in_place`, so other tasks move to another worker.
     pub fn apply_inline(&self, frame: ReqFrame) -> RespFrame {
-        let multi = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        // Reads, pings and block writes (page-cache writes) take
+        // microseconds: run them in place. `block_in_place` hands the worker
+        // to another thread, which costs about as much as they do; keep it
+        // for requests that may sync files (flush, attach, rebuild steps,
+        // snapshots).
+        let quick = matches!(
+            frame.req,
+            Request::Ping { .. }
+                | Request::Read { .. }
+                | Request::Op {
+                    op: Op::Write { .. } | Op::Zero { .. },
+                    ..
+                }
+        );
+        let multi = !quick
+            && tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         if multi {
             tokio::task::block_in_place(|| apply(&self.core, frame))
         } else {

@@ -13,153 +13,13 @@
 //! message otherwise.
 #![allow(clippy::unwrap_used)]
 
-use std::io::{BufRead, BufReader};
+mod common;
+
+use common::{Cluster, acks, kubectl, last_found, ok, sheaf, vmi_node, wait_console};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-const SHEAF: &str = env!("CARGO_BIN_EXE_sheaf");
-
-struct Cluster {
-    child: Child,
-    out: std::sync::Arc<std::sync::Mutex<String>>,
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(Some(_))) {
-            return;
-        }
-        // SAFETY: signalling our own, not yet reaped, child process.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
-    }
-}
-
-fn sheaf(dir: &Path, args: &[&str]) -> (bool, String) {
-    let o = Command::new(SHEAF)
-        .arg("--data-dir")
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    (o.status.success(), text)
-}
-
-fn ok(dir: &Path, args: &[&str]) -> String {
-    let (good, text) = sheaf(dir, args);
-    assert!(good, "sheaf {args:?} failed:\n{text}");
-    text
-}
-
-fn kubectl(dir: &Path, args: &[&str]) -> String {
-    let o = Command::new("kubectl")
-        .arg("--kubeconfig")
-        .arg(dir.join("admin.kubeconfig"))
-        .args(args)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(o.status.success(), "kubectl {args:?} failed:\n{text}");
-    text
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn up(dir: &Path) -> Cluster {
-    let port = free_port();
-    let mut child = Command::new(SHEAF)
-        .arg("--data-dir")
-        .arg(dir)
-        .args(["cluster", "up", "--netns", "--nodes", "3", "--listen"])
-        .arg(format!("127.0.0.1:{port}"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let out = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let o2 = out.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if line.contains("Ctrl-C stops the cluster") {
-                let _ = tx.send(());
-            }
-            let mut g = o2.lock().unwrap();
-            g.push_str(&line);
-            g.push('\n');
-        }
-    });
-    let c = Cluster { child, out };
-    if rx.recv_timeout(Duration::from_secs(90)).is_err() {
-        let log = std::fs::read_to_string(dir.join("cluster.log")).unwrap_or_default();
-        panic!(
-            "cluster did not come up:\n{}\n--- cluster.log ---\n{log}",
-            c.out.lock().unwrap()
-        );
-    }
-    c
-}
-
-fn wait_console(dir: &Path, what: &str, pred: impl Fn(&str) -> bool) -> String {
-    let t0 = Instant::now();
-    loop {
-        let (good, c) = sheaf(dir, &["console", "demo", "--no-follow"]);
-        if good && pred(&c) {
-            return c;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "console never showed {what}:\n{c}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn acks(c: &str) -> Vec<u64> {
-    c.lines()
-        .filter_map(|l| l.trim().strip_prefix("log: ack "))
-        .filter_map(|n| n.trim().parse().ok())
-        .collect()
-}
-
-/// The last `log: found N records` (a console may hold several boots).
-fn last_found(c: &str) -> Option<u64> {
-    c.lines().rev().find_map(|l| {
-        l.trim()
-            .strip_prefix("log: found ")?
-            .strip_suffix(" records")?
-            .parse()
-            .ok()
-    })
-}
-
-fn vmi_node(dir: &Path) -> String {
-    kubectl(
-        dir,
-        &["get", "vmi", "demo", "-o", "jsonpath={.status.nodeName}"],
-    )
-    .trim()
-    .to_string()
-}
 
 /// Network namespaces whose name starts with `prefix`.
 fn namespaces(prefix: &str) -> Vec<String> {
@@ -299,7 +159,7 @@ fn cluster_end_to_end_netns() {
     let t0 = Instant::now();
     let tmp = tempfile::tempdir().unwrap();
     let dir: PathBuf = tmp.path().join("data");
-    let c = up(&dir);
+    let c = common::up(&dir, true);
     let banner = c.out.lock().unwrap().clone();
     assert_eq!(banner.matches("   Ready").count(), 3, "{banner}");
     let saved: serde_json::Value =
@@ -421,7 +281,7 @@ fn cluster_end_to_end_netns() {
     stop_and_check_clean(c, &dir, &prefix, &bridge);
 
     // `up --netns` again: the same subnet, the VM comes back with its disk.
-    let c = up(&dir);
+    let c = common::up(&dir, true);
     let c3 = wait_console(&dir, "the restarted guest's log scan", |c| {
         last_found(c).is_some_and(|f| f > acked)
     });

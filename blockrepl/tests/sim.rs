@@ -170,6 +170,13 @@ const REGRESSION_SEEDS: &[u64] = &[
     // failure before the first was repaired. Power loss now waits until
     // the damage is repaired (`damage_elsewhere`).
     8891,
+    // DeleteSnapshot 3:18 merged a bad copy (latent sector error) of block
+    // 5 into the child with an all-ones metadata marker; after a restart
+    // the tag (1:6) was lost, so a stale replica's good 1:6 copy could not
+    // prove it: the only in-sync replica held a block no peer could
+    // repair, every rebuild aborted, no convergence. The marker now keeps
+    // the tag (`META_DAMAGED`).
+    5683,
 ];
 
 #[test]
@@ -218,13 +225,7 @@ fn zombie_regression_seeds() {
 /// Seeds with an open finding: run and reported by
 /// `ten_thousand_seeds_with_faults`, but not failing it. Each one must be
 /// described in docs/dev/STATUS.md (issue 4) and removed once fixed.
-const KNOWN_OPEN_SEEDS: &[u64] = &[
-    // The only in-sync replica holds a damaged metadata entry (tag unknown)
-    // in layer 2 block 5, left by DeleteSnapshot merging a bad copy of 1:6:
-    // a replica that is not in sync holds a good 1:6 copy, but without the
-    // tag it cannot be used; every rebuild aborts, no convergence.
-    5683,
-];
+const KNOWN_OPEN_SEEDS: &[u64] = &[];
 
 /// The full fault run: 10,000 seeds (or `SHEAF_SIM_SEEDS`).
 #[test]

@@ -194,6 +194,16 @@ pub const META_SIZE: usize = 32;
 pub const META_PRESENT: u32 = 1;
 /// Metadata flag: the block reads as zeros (no data stored).
 pub const META_ZERO: u32 = 2;
+/// Metadata flag: the copy is known bad (a snapshot delete merged a copy that
+/// failed verification); the tag and checksum are those of the write that
+/// produced the lost copy, so a peer's copy of the same write can repair it.
+/// Such entries are sealed with `crc32c ^ META_DAMAGED_SEAL`, so a store
+/// version without this flag sees a damaged entry (as it always wrote one:
+/// all-ones) instead of a valid block; no format version bump is needed in
+/// either direction.
+pub const META_DAMAGED: u32 = 4;
+const META_DAMAGED_SEAL: u32 = 0x4441_4d47; // "DAMG"
+const META_KNOWN: u32 = META_PRESENT | META_ZERO | META_DAMAGED;
 
 /// Per-block metadata of one layer: which write produced the block and the
 /// checksum of its content (covering its address).
@@ -213,20 +223,29 @@ impl BlockMeta {
         self.flags & META_ZERO != 0
     }
 
-    /// Encodes an entry (with its own CRC).
+    /// Whether the entry records a copy known to be bad ([`META_DAMAGED`]).
+    pub fn is_damaged(&self) -> bool {
+        self.flags & META_DAMAGED != 0
+    }
+
+    /// Encodes an entry (with its own CRC; sealed if damaged).
     pub fn encode(&self) -> [u8; META_SIZE] {
         let mut b = [0u8; META_SIZE];
         b[0..8].copy_from_slice(&self.tag.epoch.to_le_bytes());
         b[8..16].copy_from_slice(&self.tag.index.to_le_bytes());
         b[16..20].copy_from_slice(&self.crc.to_le_bytes());
         b[20..24].copy_from_slice(&self.flags.to_le_bytes());
-        let c = crc32c::crc32c(&b[..28]);
+        let mut c = crc32c::crc32c(&b[..28]);
+        if self.is_damaged() {
+            c ^= META_DAMAGED_SEAL;
+        }
         b[28..32].copy_from_slice(&c.to_le_bytes());
         b
     }
 
     /// Decodes an entry. `Ok(None)`: an all-zero (absent) entry. `Err(())`:
-    /// a damaged entry.
+    /// an unreadable entry (tag unknown). An entry recording a known bad
+    /// copy decodes with [`META_DAMAGED`] set.
     #[allow(clippy::result_unit_err)]
     pub fn decode(b: &[u8]) -> Result<Option<BlockMeta>, ()> {
         if b.len() != META_SIZE {
@@ -241,10 +260,17 @@ impl BlockMeta {
             Ok(out)
         };
         let c = u32::from_le_bytes(b[28..32].try_into().map_err(|_| ())?);
-        if c != crc32c::crc32c(&b[..28]) {
+        let want = crc32c::crc32c(&b[..28]);
+        let flags = u32::from_le_bytes(b[20..24].try_into().map_err(|_| ())?);
+        let damaged = flags & META_DAMAGED != 0;
+        let sealed = if damaged {
+            want ^ META_DAMAGED_SEAL
+        } else {
+            want
+        };
+        if c != sealed || flags & !META_KNOWN != 0 {
             return Err(());
         }
-        let flags = u32::from_le_bytes(b[20..24].try_into().map_err(|_| ())?);
         if flags & META_PRESENT == 0 {
             return Ok(None);
         }
@@ -440,6 +466,46 @@ mod tests {
         b[3] ^= 0x10;
         assert_eq!(BlockMeta::decode(&b), Err(()));
         assert_eq!(BlockMeta::decode(&[0u8; META_SIZE]), Ok(None));
+        assert_eq!(BlockMeta::decode(&[0xffu8; META_SIZE]), Err(()));
+    }
+
+    #[test]
+    fn damaged_meta_keeps_its_tag_and_reads_as_damaged_under_the_old_rule() {
+        let m = BlockMeta {
+            tag: Tag::new(1, 6),
+            crc: 77,
+            flags: META_PRESENT | META_DAMAGED,
+        };
+        let b = m.encode();
+        let d = BlockMeta::decode(&b).unwrap().unwrap();
+        assert_eq!(d, m);
+        assert!(d.is_damaged());
+        // A store version without META_DAMAGED checks the plain CRC: the
+        // seal makes it see an unreadable (damaged) entry, never a block.
+        assert_ne!(
+            u32::from_le_bytes(b[28..32].try_into().unwrap()),
+            crc32c::crc32c(&b[..28])
+        );
+        // The flag without the seal (or the seal without the flag) is damage.
+        let mut plain = b;
+        plain[28..32].copy_from_slice(&crc32c::crc32c(&b[..28]).to_le_bytes());
+        assert_eq!(BlockMeta::decode(&plain), Err(()));
+        let ok = BlockMeta {
+            flags: META_PRESENT,
+            ..m
+        }
+        .encode();
+        let mut resealed = ok;
+        let c = u32::from_le_bytes(ok[28..32].try_into().unwrap()) ^ META_DAMAGED_SEAL;
+        resealed[28..32].copy_from_slice(&c.to_le_bytes());
+        assert_eq!(BlockMeta::decode(&resealed), Err(()));
+        // Unknown flags are damage.
+        let odd = BlockMeta {
+            flags: META_PRESENT | 0x100,
+            ..m
+        }
+        .encode();
+        assert_eq!(BlockMeta::decode(&odd), Err(()));
     }
 
     #[test]

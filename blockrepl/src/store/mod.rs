@@ -35,7 +35,8 @@ use crate::types::{
 };
 use disk::{StoreDir, StoreFile};
 use format::{
-    BlockMeta, META_PRESENT, META_SIZE, META_ZERO, SB_SLOT, Superblock, WAL_HDR, WalHeader, WalKind,
+    BlockMeta, META_DAMAGED, META_PRESENT, META_SIZE, META_ZERO, SB_SLOT, Superblock, WAL_HDR,
+    WalHeader, WalKind,
 };
 
 const SB_NAME: &str = "superblock";
@@ -297,13 +298,14 @@ impl Store {
                 match BlockMeta::decode(raw) {
                     Ok(None) => {}
                     Ok(Some(meta)) => {
-                        layer.blocks.insert(
-                            lba + i as u64,
-                            Entry {
-                                meta,
-                                loc: Loc::Layer,
-                            },
-                        );
+                        // A known bad copy keeps its tag: a peer's copy of
+                        // the same write can repair it.
+                        let loc = if meta.is_damaged() {
+                            Loc::Damaged
+                        } else {
+                            Loc::Layer
+                        };
+                        layer.blocks.insert(lba + i as u64, Entry { meta, loc });
                     }
                     Err(()) => {
                         layer.blocks.insert(lba + i as u64, Self::damaged());
@@ -974,24 +976,24 @@ impl Store {
                 continue;
             };
             let mut e2 = e;
-            if !e.meta.is_zero() {
-                let ok = self.read_entry(li, b, &e, &mut buf);
-                if !ok {
-                    // Keep the damage visible in the child instead of copying garbage.
-                    e2.loc = Loc::Damaged;
-                } else {
+            if !self.read_entry(li, b, &e, &mut buf) {
+                // Keep the damage visible in the child instead of copying
+                // garbage, with the tag of the write it lost: a peer's copy
+                // of that write (in any state) can still repair it, also
+                // after a restart (seed 5683: an all-ones marker lost the
+                // tag and left a block no peer could prove).
+                e2.loc = Loc::Damaged;
+                e2.meta.flags |= META_DAMAGED;
+            } else {
+                if !e.meta.is_zero() {
                     self.layers[li + 1]
                         .data
                         .write_at(&buf, b * BLOCK_SIZE_U64)
                         .map_err(Error::store("merge snapshot"))?;
-                    e2.loc = Loc::Layer;
                 }
+                e2.loc = Loc::Layer;
             }
-            let mb = if matches!(e2.loc, Loc::Damaged) {
-                [0xffu8; META_SIZE]
-            } else {
-                e2.meta.encode()
-            };
+            let mb = e2.meta.encode();
             self.layers[li + 1]
                 .meta
                 .write_at(&mb, b * META_SIZE as u64)

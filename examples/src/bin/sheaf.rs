@@ -22,7 +22,7 @@ use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use serde_json::{Value, json};
 use sheaf_examples::client::ApiClient;
-use sheaf_examples::cluster::{UpOptions, start, wait_for_signal};
+use sheaf_examples::cluster::{UpOptions, proc_children, start, wait_for_signal};
 use sheaf_examples::image::{ImportOptions, ImportProgress, write_probe_disk};
 use sheaf_examples::status::{Snapshot, render};
 use sheaf_orchestrator::agent::{NodeAgent, NodeAgentConfig};
@@ -500,29 +500,15 @@ fn wait_children_gone(limit: Duration) -> Vec<i32> {
     let t0 = Instant::now();
     loop {
         let mut left = Vec::new();
-        if let Ok(rd) = std::fs::read_dir("/proc") {
-            for e in rd.flatten() {
-                let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-                    continue;
-                };
-                let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-                    continue;
-                };
-                // pid (comm) state ppid ...
-                let Some(rest) = stat.rsplit_once(')').map(|x| x.1) else {
-                    continue;
-                };
-                let mut f = rest.split_whitespace();
-                let state = f.next().unwrap_or("");
-                let ppid: i32 = f.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-                if ppid == me {
-                    if state == "Z" {
-                        // SAFETY: reaping our own exited child; no memory is touched.
-                        unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
-                    } else {
-                        left.push(pid);
-                    }
-                }
+        for (pid, state, ppid) in proc_children() {
+            if ppid != me {
+                continue;
+            }
+            if state == "Z" {
+                // SAFETY: reaping our own exited child; no memory is touched.
+                unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+            } else {
+                left.push(pid);
             }
         }
         if left.is_empty() || t0.elapsed() > limit {

@@ -61,6 +61,15 @@ pub enum Error {
         /// First block of the read.
         lba: u64,
     },
+    /// Every in-sync replica that answered holds a copy of block `lba` that
+    /// fails its checksum: its data is lost unless a replica that is down
+    /// holds a good copy (a later scrub or rebuild repairs from it).
+    /// Writing the block replaces the lost copy.
+    #[error("block {lba} has no copy that passes its checksum on any in-sync replica")]
+    BadBlock {
+        /// The first such block of the read.
+        lba: u64,
+    },
     /// Every replica that held some acknowledged writes lost power before
     /// those writes were flushed: they may be gone. Like a disk power cycle,
     /// only data covered by a completed flush is guaranteed; operations

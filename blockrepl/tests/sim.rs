@@ -307,19 +307,37 @@ mod zombie {
 
     pub struct World {
         pub cores: Vec<ReplicaCore>,
+        pub disks: Vec<SimDisk>,
     }
 
     impl World {
         pub fn new(n: usize) -> World {
-            let cores = (0..n)
-                .map(|i| {
-                    let d = SimDisk::new(i as u64);
+            let disks: Vec<SimDisk> = (0..n).map(|i| SimDisk::new(i as u64)).collect();
+            let cores = disks
+                .iter()
+                .map(|d| {
                     let store = Store::create(Box::new(d.clone()), 8, ReplicaState::Clean).unwrap();
+                    let d = d.clone();
                     let f = Box::new(move || -> Box<dyn StoreDir> { Box::new(d.clone()) });
                     ReplicaCore::new(store, f)
                 })
                 .collect();
-            World { cores }
+            World { cores, disks }
+        }
+
+        /// Flips one bit of every copy of a 4 KiB block filled with `fill`
+        /// in file `name` of every replica (its WAL or a layer file).
+        pub fn rot_everywhere(&self, name: &str, fill: u8) {
+            for d in &self.disks {
+                let bytes = d.file(name).unwrap();
+                let pat = vec![fill; 4096];
+                let at = bytes
+                    .windows(4096)
+                    .position(|w| w == &pat[..])
+                    .expect("block not found");
+                let mut f = d.open(name, false).unwrap();
+                f.write_at(&[fill ^ 1], at as u64 + 100).unwrap();
+            }
         }
 
         /// Delivers the engine's messages (except over cut links) until it
@@ -461,5 +479,126 @@ fn read_fencing_stops_a_zombie_engine_read() {
         v.violations.iter().any(|s| s.contains("stale read")),
         "the oracle did not catch the zombie read: {:?}",
         v.violations
+    );
+}
+
+/// A block with no good copy on any replica (beyond the redundancy the
+/// simulator injects) is a per-block error: reads of it fail naming the
+/// block and never return other bytes, reads of other blocks go on, a
+/// stale replica's rebuild completes with the block recorded as bad of
+/// the same write (instead of aborting forever and, with one replica in
+/// sync, stalling the volume), and a write replaces it.
+#[test]
+fn a_block_with_no_good_copy_is_a_read_error_and_does_not_stall_rebuild() {
+    use bytes::Bytes;
+    use sheaf_blockrepl::Error;
+    use sheaf_blockrepl::proto::engine::{ClientOp, Engine, EngineConfig, OpOutput, Phase};
+    use sheaf_blockrepl::types::{BlockTag, Tag};
+    use std::collections::BTreeSet;
+
+    let mut w = zombie::World::new(3);
+    let none = BTreeSet::new();
+    let mut c = EngineConfig::new(3, 1);
+    c.request_timeout = 5;
+    c.rejoin_interval = 5;
+    let mut e = Engine::new(c);
+    for _ in 0..3 {
+        e.tick();
+        w.run(&mut e, &none);
+    }
+    assert_eq!(e.phase(), Phase::Running);
+    let blk = |v: u8| Bytes::from(vec![v; 4096]);
+    let run_op =
+        |w: &mut zombie::World, e: &mut Engine, id: u64, op: ClientOp, cut: &BTreeSet<usize>| {
+            e.submit(id, op);
+            for _ in 0..100 {
+                for (i, r) in w.run(e, cut) {
+                    if i == id {
+                        return r;
+                    }
+                }
+                e.tick();
+            }
+            panic!("op {id} did not complete");
+        };
+    for (id, lba, v) in [(1, 3, 0x5a), (2, 4, 0x6b)] {
+        let op = ClientOp::Write { lba, data: blk(v) };
+        run_op(&mut w, &mut e, id, op, &none).unwrap();
+    }
+    run_op(&mut w, &mut e, 3, ClientOp::Flush, &none).unwrap();
+    // Every copy of block 3 rots.
+    w.rot_everywhere("wal", 0x5a);
+    let r = run_op(
+        &mut w,
+        &mut e,
+        4,
+        ClientOp::Read { lba: 2, blocks: 3 },
+        &none,
+    );
+    assert!(matches!(r, Err(Error::BadBlock { lba: 3 })), "{r:?}");
+    let r = run_op(
+        &mut w,
+        &mut e,
+        5,
+        ClientOp::Read { lba: 4, blocks: 1 },
+        &none,
+    );
+    assert!(
+        matches!(r, Ok(OpOutput::Data(ref d)) if d[..] == blk(0x6b)[..]),
+        "{r:?}"
+    );
+    // Replica 2 misses a write and must be rebuilt from a source whose
+    // block 3 is bad (as is every other copy).
+    let cut2: BTreeSet<usize> = [2].into();
+    let op = ClientOp::Write {
+        lba: 5,
+        data: blk(0x11),
+    };
+    run_op(&mut w, &mut e, 6, op, &cut2).unwrap();
+    assert_eq!(e.status().active, vec![0, 1]);
+    for _ in 0..300 {
+        e.tick();
+        w.run(&mut e, &none);
+        if e.status().active.len() == 3 {
+            break;
+        }
+    }
+    let st = e.status();
+    assert_eq!(st.active, vec![0, 1, 2], "rebuild stalled: {st:?}");
+    assert!(st.rebuilds_done >= 1, "{st:?}");
+    assert_eq!(st.lost_blocks, vec![(1, 3)], "{st:?}");
+    // Every replica records the same bad copy of the same write.
+    let tags: Vec<_> = w.cores.iter().map(|c| c.layer_tags(1, 3, 1)).collect();
+    assert!(
+        tags.iter().all(|t| matches!(
+            t.as_deref(),
+            Some([BlockTag::Present { tag, zero: false, valid: false }]) if *tag == Tag::new(1, 1)
+        )),
+        "{tags:?}"
+    );
+    let r = run_op(
+        &mut w,
+        &mut e,
+        7,
+        ClientOp::Read { lba: 3, blocks: 1 },
+        &none,
+    );
+    assert!(matches!(r, Err(Error::BadBlock { lba: 3 })), "{r:?}");
+    // A write replaces the lost block.
+    let op = ClientOp::Write {
+        lba: 3,
+        data: blk(0x7c),
+    };
+    run_op(&mut w, &mut e, 8, op, &none).unwrap();
+    let r = run_op(
+        &mut w,
+        &mut e,
+        9,
+        ClientOp::Read { lba: 3, blocks: 1 },
+        &none,
+    );
+    assert!(
+        matches!(r, Ok(OpOutput::Data(ref d)) if d[..] == blk(0x7c)[..]),
+        "{r:?}"
     );
 }

@@ -78,6 +78,11 @@ pub enum CopyEntry {
     Data(Tag, Bytes),
     /// The source's copy is bad too: leave the target's block alone.
     Skip,
+    /// The block written by `tag` has no good copy on any reachable
+    /// replica: record it as a known bad copy of that write (reads of it
+    /// fail, a peer's copy of the same write can still repair it). Sent
+    /// only by rebuild, so a lost block does not stall it.
+    Bad(Tag),
 }
 
 /// A request from an engine to a replica.
@@ -334,6 +339,7 @@ impl<'a> Dec<'a> {
                     )
                 }
                 3 => CopyEntry::Skip,
+                4 => CopyEntry::Bad(self.tag("entry tag")?),
                 k => return Err(DecodeError(format!("unknown copy entry kind {k}"))),
             });
         }
@@ -382,6 +388,10 @@ impl Enc {
                     self.0.put_slice(d);
                 }
                 CopyEntry::Skip => self.0.put_u8(3),
+                CopyEntry::Bad(t) => {
+                    self.0.put_u8(4);
+                    self.tag(*t);
+                }
             }
         }
     }
@@ -827,6 +837,7 @@ mod tests {
             Just(CopyEntry::Absent),
             Just(CopyEntry::Skip),
             tag().prop_map(CopyEntry::Zero),
+            tag().prop_map(CopyEntry::Bad),
             (tag(), any::<u8>())
                 .prop_map(|(t, b)| CopyEntry::Data(t, Bytes::from(vec![b; BLOCK_SIZE]))),
         ]

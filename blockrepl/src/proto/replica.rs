@@ -281,6 +281,18 @@ impl ReplicaCore {
                     });
                     let res = match ent {
                         CopyEntry::Skip => Ok(()),
+                        CopyEntry::Bad(t) => {
+                            // Never replaces any copy of the same write (a
+                            // good one is the last hope for that block) or
+                            // a newer live write of this session.
+                            let newer = cur.is_none_or(|(ct, _, _)| *t > ct);
+                            let same = cur.is_some_and(|(ct, _, _)| ct == *t);
+                            if (!live || newer) && !same {
+                                store.mark_damaged(layer, b, *t)
+                            } else {
+                                Ok(())
+                            }
+                        }
                         CopyEntry::Absent => {
                             if cur.is_some() && !live {
                                 store.set_block(layer, b, SetBlock::Absent)

@@ -560,6 +560,38 @@ impl Store {
         self.append(h, data)
     }
 
+    /// Records the copy of `lba` in `layer` as a known bad copy of the write
+    /// `tag` (rebuild of a block that has no good copy anywhere): reads of
+    /// it fail, its tag is kept so a copy of the same write can repair it.
+    /// Rare, so it checkpoints first and writes the sealed metadata entry
+    /// directly (no WAL record kind a store version without
+    /// [`META_DAMAGED`] would stop at).
+    pub fn mark_damaged(&mut self, layer: u64, lba: u64, tag: Tag) -> Result<()> {
+        self.check_range(lba, 1)?;
+        let li = self
+            .layer_index(layer)
+            .ok_or_else(|| Error::InvalidArgument(format!("no layer {layer}")))?;
+        self.checkpoint()?;
+        let meta = BlockMeta {
+            tag,
+            crc: 0,
+            flags: META_PRESENT | META_DAMAGED,
+        };
+        let l = &mut self.layers[li];
+        l.meta
+            .write_at(&meta.encode(), lba * META_SIZE as u64)
+            .map_err(Error::store("mark damaged"))?;
+        l.meta.sync().map_err(Error::store("mark damaged"))?;
+        l.blocks.insert(
+            lba,
+            Entry {
+                meta,
+                loc: Loc::Damaged,
+            },
+        );
+        Ok(())
+    }
+
     /// A block's entry in a layer: `(tag, zero, valid)`; `valid` means its
     /// data was read back and its checksum verified.
     pub fn entry(&self, layer: u64, lba: u64) -> Option<(Tag, bool, bool)> {

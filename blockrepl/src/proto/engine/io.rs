@@ -134,8 +134,14 @@ impl Engine {
             .filter(|r| !rs.tried.contains(r))
             .collect();
         if candidates.is_empty() {
+            let bad = rs.bad.as_ref().and_then(|b| b.first().copied());
             self.reads.remove(&op);
-            return self.complete(op, Err(Error::ReadFailed { lba }));
+            let err = match bad {
+                // Never zeros or another copy in place of a lost block.
+                Some(lba) => Error::BadBlock { lba },
+                None => Error::ReadFailed { lba },
+            };
+            return self.complete(op, Err(err));
         }
         self.rr = self.rr.wrapping_add(1);
         let r = candidates[self.rr % candidates.len()];
@@ -219,6 +225,11 @@ impl Engine {
                     self.check_read(op);
                 } else {
                     // Read from another replica, then repair these copies.
+                    let here: BTreeSet<u64> = bad.iter().map(|&(lba, _)| lba).collect();
+                    rs.bad = Some(match rs.bad.take() {
+                        Some(b) => b.intersection(&here).copied().collect(),
+                        None => here,
+                    });
                     for (lba, layer) in bad {
                         self.schedule_repair(from, layer, lba, None);
                     }

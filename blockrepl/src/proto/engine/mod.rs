@@ -265,6 +265,10 @@ pub struct EngineStatus {
     /// failed the operations queued at that moment with
     /// [`Error::UnflushedWritesLost`].
     pub lost_unflushed: u64,
+    /// Blocks `(layer, lba)` with no copy that passes its checksum on any
+    /// attached replica (reads of them fail with [`Error::BadBlock`]; a
+    /// rebuild marks them bad on its target; a write replaces them).
+    pub lost_blocks: Vec<(u64, u64)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -381,6 +385,9 @@ struct ReadState {
     confirmed: BTreeSet<ReplicaId>,
     /// Ping round started (replicas asked).
     asked: BTreeSet<ReplicaId>,
+    /// Blocks that were bad on every replica that answered so far (`None`
+    /// before the first answer).
+    bad: Option<BTreeSet<u64>>,
 }
 
 #[derive(Debug)]
@@ -510,6 +517,12 @@ pub struct Engine {
     max_start: Tag,
     /// Tick at which the current probe round started.
     probe_started: u64,
+    /// Blocks `(layer, lba)` for which a repair found no good copy of the
+    /// write `Tag` on any attached replica. A rebuild that meets such a
+    /// bad copy on its source records it as bad on the target
+    /// ([`CopyEntry::Bad`]) instead of aborting, so one lost block does not
+    /// stall every rebuild (and, with one replica in sync, the volume).
+    lost: BTreeMap<(u64, u64), Tag>,
     status: EngineStatus,
 }
 
@@ -559,6 +572,7 @@ impl Engine {
             start_pos: Tag::default(),
             max_start: Tag::default(),
             probe_started: 0,
+            lost: BTreeMap::new(),
             status: EngineStatus {
                 phase: Phase::Probing,
                 epoch: 0,
@@ -570,6 +584,7 @@ impl Engine {
                 blocks_copied: 0,
                 repairs: 0,
                 lost_unflushed: 0,
+                lost_blocks: vec![],
             },
             cfg,
         };
@@ -606,6 +621,7 @@ impl Engine {
         s.size_blocks = self.size_blocks;
         s.active = self.ids(Role::Active);
         s.rebuilding = self.ids(Role::Rebuilding);
+        s.lost_blocks = self.lost.keys().copied().collect();
         s
     }
 
@@ -866,6 +882,7 @@ impl Engine {
                         data: None,
                         confirmed: BTreeSet::new(),
                         asked: BTreeSet::new(),
+                        bad: None,
                     },
                 );
                 self.read_attempt(id);

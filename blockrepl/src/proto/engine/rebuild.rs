@@ -318,16 +318,27 @@ impl Engine {
                     Some(d),
                 ) if d.len() == BLOCK_SIZE => CopyEntry::Data(tag, d),
                 (t, _) => {
-                    // Bad copy on the source: never copy it; repair the source
-                    // from another replica and rebuild again.
-                    self.rebuilds[i].incomplete = true;
-                    let src = self.rebuilds[i].source;
+                    let b = c.lba + k as u64;
                     let want = match t {
                         BlockTag::Present { tag, .. } => Some(tag),
                         BlockTag::Absent => None,
                     };
-                    self.schedule_repair(src, c.layer, c.lba + k as u64, want);
-                    CopyEntry::Skip
+                    if let Some(tag) = want
+                        && self.lost.get(&(c.layer, b)) == Some(&tag)
+                    {
+                        // A repair already found no good copy of this
+                        // write anywhere: record it as bad on the target
+                        // too (never zeros, never an older copy) and go on.
+                        warn!(layer = c.layer, lba = b, %tag, "rebuild copies a lost block as bad");
+                        CopyEntry::Bad(tag)
+                    } else {
+                        // Bad copy on the source: never copy it; repair the
+                        // source from another replica and rebuild again.
+                        self.rebuilds[i].incomplete = true;
+                        let src = self.rebuilds[i].source;
+                        self.schedule_repair(src, c.layer, b, want);
+                        CopyEntry::Skip
+                    }
                 }
             });
         }

@@ -45,10 +45,16 @@ impl Engine {
             })
         };
         let Some(from) = active.or_else(other) else {
-            debug!(
-                replica = bad_on,
-                layer, lba, "no peer holds a good copy to repair from"
-            );
+            let tag = want.unwrap_or_default();
+            if self.lost.insert((layer, lba), tag) != Some(tag) {
+                warn!(
+                    replica = bad_on,
+                    layer,
+                    lba,
+                    %tag,
+                    "no attached replica holds a good copy: block lost until one does"
+                );
+            }
             return;
         };
         tried.push(from);
@@ -301,6 +307,7 @@ impl Engine {
                 };
                 self.status.repairs += 1;
                 self.send(bad_on, req, Ctx::Repair);
+                self.lost.remove(&(layer, lba));
                 repaired = true;
             }
         }

@@ -33,12 +33,12 @@ use tracing::debug;
 
 use crate::error::{Error, Result};
 use crate::net::Secret;
-use crate::net::server::{ReplicaThread, remote_link};
+use crate::net::server::{ReplicaThread, is_quick, remote_link};
 use crate::proto::engine::{
     ClientOp, Engine, EngineConfig, EngineStatus, OpOutput, Output, Phase, QuorumLossPolicy,
     ScrubReport, SnapshotInfo,
 };
-use crate::proto::msg::{MAX_IO_BLOCKS, ReqFrame, RespFrame};
+use crate::proto::msg::{MAX_IO_BLOCKS, Op, ReqFrame, Request, RespFrame};
 use crate::proto::replica::ReplicaCore;
 use crate::store::Store;
 use crate::store::disk::{StdDir, StoreDir};
@@ -156,8 +156,32 @@ enum Cmd {
 }
 
 enum LinkTx {
-    Local(ReplicaThread),
+    /// An in-process replica; `pending` counts requests queued to its
+    /// thread whose answers the engine has not seen yet.
+    Local {
+        thread: ReplicaThread,
+        pending: usize,
+    },
     Remote(mpsc::UnboundedSender<ReqFrame>),
+}
+
+/// Largest request (in blocks) applied in the driver's task instead of the
+/// local replica's thread: small requests cost less than the two
+/// cross-thread wake-ups of a hop; large ones overlap with the frontend's
+/// copies on another core.
+const INLINE_BLOCKS: usize = 16;
+
+/// Whether the driver applies `req` to a local replica in place.
+fn inline_local(req: &Request) -> bool {
+    is_quick(req)
+        && match req {
+            Request::Read { blocks, .. } => *blocks as usize <= INLINE_BLOCKS,
+            Request::Op {
+                op: Op::Write { data, .. },
+                ..
+            } => data.len() <= INLINE_BLOCKS * BLOCK_SIZE,
+            _ => true,
+        }
 }
 
 /// An attached volume. Cheap to clone; every clone talks to the same engine.
@@ -212,7 +236,10 @@ impl Volume {
         let mut links = Vec::with_capacity(n);
         for (i, t) in cfg.replicas.iter().enumerate() {
             match t {
-                ReplicaTarget::Local(p) => links.push(LinkTx::Local(open_local_replica(p)?)),
+                ReplicaTarget::Local(p) => links.push(LinkTx::Local {
+                    thread: open_local_replica(p)?,
+                    pending: 0,
+                }),
                 ReplicaTarget::Remote(addr) => {
                     let secret = cfg.secret.clone().ok_or_else(|| {
                         Error::InvalidArgument("remote replicas need a secret".into())
@@ -496,9 +523,9 @@ impl Driver {
                     }
                 }
                 Some((r, resp)) = local_rx.recv() => {
-                    self.engine.step(r, resp.id, resp.resp);
+                    self.local_response(r, resp);
                     while let Ok((r, resp)) = local_rx.try_recv() {
-                        self.engine.step(r, resp.id, resp.resp);
+                        self.local_response(r, resp);
                     }
                 }
                 Some((r, ev)) = remote_rx.recv() => {
@@ -515,6 +542,13 @@ impl Driver {
             }
         }
         debug!("volume driver stopped");
+    }
+
+    fn local_response(&mut self, r: usize, resp: RespFrame) {
+        if let Some(LinkTx::Local { pending, .. }) = self.links.get_mut(r) {
+            *pending = pending.saturating_sub(1);
+        }
+        self.engine.step(r, resp.id, resp.resp);
     }
 
     fn remote_event(&mut self, r: usize, ev: Option<RespFrame>) {
@@ -544,9 +578,20 @@ impl Driver {
     fn drain(&mut self) {
         while let Some(o) = self.engine.poll_output() {
             match o {
-                Output::Send { to, frame } => match &self.links[to] {
-                    LinkTx::Local(t) => {
-                        if !t.submit(frame, self.local_tx.clone(), to) {
+                Output::Send { to, frame } => match &mut self.links[to] {
+                    // Nothing queued on the thread (so answers stay in
+                    // request order) and a page-cache request: apply it
+                    // here, without the two thread hops.
+                    LinkTx::Local { thread, pending }
+                        if *pending == 0 && inline_local(&frame.req) =>
+                    {
+                        let resp = thread.apply_inline(frame);
+                        self.engine.step(to, resp.id, resp.resp);
+                    }
+                    LinkTx::Local { thread, pending } => {
+                        if thread.submit(frame, self.local_tx.clone(), to) {
+                            *pending += 1;
+                        } else {
                             self.engine.disconnected(to);
                         }
                     }

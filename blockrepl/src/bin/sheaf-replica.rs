@@ -33,6 +33,11 @@ struct Args {
     /// With --create-size: create an empty replacement replica (rebuilt on attach).
     #[arg(long)]
     replacement: bool,
+    /// Runtime worker threads; 0 (default) serves every connection on one
+    /// thread, which on small machines saves a cross-thread wake-up per
+    /// request (requests of one connection run in order either way).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -55,10 +60,16 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let replica = open_local_replica(&args.dir).context("open store")?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let rt = if args.threads == 0 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(args.threads)
+            .enable_all()
+            .build()?
+    };
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await

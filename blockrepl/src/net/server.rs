@@ -44,6 +44,21 @@ pub struct ReplicaThread {
     core: Arc<Mutex<ReplicaCore>>,
 }
 
+/// Whether a request only touches the page cache (no file sync): reads,
+/// pings and block writes. These take microseconds and are applied in the
+/// caller's task; anything that may sync goes to a thread.
+pub fn is_quick(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::Ping { .. }
+            | Request::Read { .. }
+            | Request::Op {
+                op: Op::Write { .. } | Op::Zero { .. },
+                ..
+            }
+    )
+}
+
 impl std::fmt::Debug for ReplicaThread {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("ReplicaThread(..)")
@@ -97,15 +112,7 @@ impl ReplicaThread {
         // to another thread, which costs about as much as they do; keep it
         // for requests that may sync files (flush, attach, rebuild steps,
         // snapshots).
-        let quick = matches!(
-            frame.req,
-            Request::Ping { .. }
-                | Request::Read { .. }
-                | Request::Op {
-                    op: Op::Write { .. } | Op::Zero { .. },
-                    ..
-                }
-        );
+        let quick = is_quick(&frame.req);
         let multi = !quick
             && tokio::runtime::Handle::try_current()
                 .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);

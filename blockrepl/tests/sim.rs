@@ -308,6 +308,8 @@ mod zombie {
     pub struct World {
         pub cores: Vec<ReplicaCore>,
         pub disks: Vec<SimDisk>,
+        /// Ping requests delivered.
+        pub pings: usize,
     }
 
     impl World {
@@ -322,7 +324,11 @@ mod zombie {
                     ReplicaCore::new(store, f)
                 })
                 .collect();
-            World { cores, disks }
+            World {
+                cores,
+                disks,
+                pings: 0,
+            }
         }
 
         /// Flips one bit of every copy of a 4 KiB block filled with `fill`
@@ -351,6 +357,9 @@ mod zombie {
             while let Some(o) = e.poll_output() {
                 match o {
                     Output::Send { to, frame } => {
+                        if matches!(frame.req, sheaf_blockrepl::proto::msg::Request::Ping { .. }) {
+                            self.pings += 1;
+                        }
                         if !cut.contains(&to) {
                             let resp = self.cores[to].handle(frame.req);
                             e.step(to, frame.id, resp);
@@ -601,4 +610,57 @@ fn a_block_with_no_good_copy_is_a_read_error_and_does_not_stall_rebuild() {
         matches!(r, Ok(OpOutput::Data(ref d)) if d[..] == blk(0x7c)[..]),
         "{r:?}"
     );
+}
+
+/// Read fencing is coalesced: 32 reads submitted together share two ping
+/// rounds (the first read's, and one for every read that started while it
+/// was out) instead of pinging the other replicas once per read; every
+/// read still returns the latest write.
+#[test]
+fn concurrent_reads_share_ping_rounds() {
+    use bytes::Bytes;
+    use sheaf_blockrepl::proto::engine::{ClientOp, Engine, EngineConfig, OpOutput, Phase};
+    use std::collections::BTreeSet;
+
+    let mut w = zombie::World::new(3);
+    let none = BTreeSet::new();
+    let mut c = EngineConfig::new(3, 1);
+    c.max_inflight = 64;
+    let mut e = Engine::new(c);
+    for _ in 0..3 {
+        e.tick();
+        w.run(&mut e, &none);
+    }
+    assert_eq!(e.phase(), Phase::Running);
+    for lba in 0..8u64 {
+        let data = Bytes::from(vec![lba as u8 + 1; 4096]);
+        e.submit(100 + lba, ClientOp::Write { lba, data });
+    }
+    let done = w.run(&mut e, &none);
+    assert!(
+        done.iter().all(|(_, r)| r.is_ok()) && done.len() == 8,
+        "{done:?}"
+    );
+    let (pings0, rounds0) = (w.pings, e.status().ping_rounds);
+    for i in 0..32u64 {
+        e.submit(
+            i,
+            ClientOp::Read {
+                lba: i % 8,
+                blocks: 1,
+            },
+        );
+    }
+    let done = w.run(&mut e, &none);
+    assert_eq!(done.len(), 32);
+    for (id, r) in &done {
+        let want = vec![(id % 8) as u8 + 1; 4096];
+        assert!(
+            matches!(r, Ok(OpOutput::Data(d)) if d[..] == want[..]),
+            "read {id}: {r:?}"
+        );
+    }
+    let rounds = e.status().ping_rounds - rounds0;
+    assert_eq!(rounds, 2, "32 concurrent reads need 2 ping rounds");
+    assert_eq!(w.pings - pings0, 6, "one ping per replica and round");
 }

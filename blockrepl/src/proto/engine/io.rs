@@ -150,19 +150,17 @@ impl Engine {
         }
         let epoch = self.epoch;
         self.send(r, Request::Read { epoch, lba, blocks }, Ctx::Read { op });
-        // Read fencing: W replicas must confirm the epoch after the read began.
-        let others: Vec<ReplicaId> = (0..self.peers.len())
-            .filter(|&p| p != r && self.peers[p].link == Link::Attached)
-            .collect();
-        for p in others {
-            let asked = self.reads.get(&op).is_some_and(|rs| rs.asked.contains(&p));
-            if !asked {
-                if let Some(rs) = self.reads.get_mut(&op) {
-                    rs.asked.insert(p);
-                }
-                self.send(p, Request::Ping { epoch }, Ctx::Ping { op });
-            }
-        }
+        // Read fencing: W replicas must confirm the epoch after the read
+        // began (the serving replica's answer counts; the others are
+        // asked in a ping round shared by every read waiting for one).
+        self.pump_pings();
+    }
+
+    /// Replicas that confirmed the epoch after read `rs` started.
+    fn read_confirmations(&self, rs: &ReadState) -> usize {
+        (0..self.peers.len())
+            .filter(|&p| rs.confirmed.contains(&p) || self.peers[p].pinged_ok >= rs.need_round)
+            .count()
     }
 
     pub(super) fn check_read(&mut self, op: OpId) {
@@ -171,42 +169,92 @@ impl Engine {
         let Some(rs) = self.reads.get(&op) else {
             return;
         };
-        if rs.data.is_some() && (skip || rs.confirmed.len() >= w) {
+        if rs.data.is_some() && (skip || self.read_confirmations(rs) >= w) {
             let Some(rs) = self.reads.remove(&op) else {
                 return;
             };
             let data = rs.data.unwrap_or_default();
             self.complete(op, Ok(OpOutput::Data(data)));
-        } else if rs.data.is_some() {
-            // Not enough confirmations possible? Ask every attached replica again.
-            let reachable = (0..self.peers.len())
-                .filter(|&p| self.peers[p].link == Link::Attached)
-                .count();
-            if reachable < w {
-                // Wait: the rejoin timer will bring replicas back, or fencing
-                // will fail the read.
+        }
+    }
+
+    /// Whether a read waits for a round that has not been sent yet.
+    fn reads_need_round(&self) -> bool {
+        let w = self.w();
+        self.reads
+            .values()
+            .any(|rs| rs.need_round > self.ping_round && self.read_confirmations(rs) < w)
+    }
+
+    /// Sends the next ping round when a read needs it and the current one
+    /// is settled; asks replicas that (re)attached since the current round
+    /// was sent while reads still wait for it.
+    pub(super) fn pump_pings(&mut self) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        let w = self.w();
+        let epoch = self.epoch;
+        let attached: Vec<ReplicaId> = (0..self.peers.len())
+            .filter(|&p| self.peers[p].link == Link::Attached)
+            .collect();
+        // A replica that failed or went away will not answer this round.
+        self.ping_waiting.retain(|p| attached.contains(p));
+        let ok = attached
+            .iter()
+            .filter(|&&p| self.peers[p].pinged_ok >= self.ping_round)
+            .count();
+        let settled = self.ping_round == 0 || self.ping_waiting.is_empty() || ok >= w;
+        if settled && self.reads_need_round() && !attached.is_empty() {
+            self.ping_round += 1;
+            self.status.ping_rounds += 1;
+            self.ping_waiting.clear();
+            for &p in &attached {
+                self.peers[p].pinged = self.ping_round;
+                self.ping_waiting.insert(p);
+                let round = self.ping_round;
+                self.send(p, Request::Ping { epoch }, Ctx::Ping { round });
+            }
+            return;
+        }
+        // A replica that came back while reads wait on the current round
+        // (or an earlier one: a later confirmation counts for them too).
+        let round = self.ping_round;
+        let waiting = self
+            .reads
+            .values()
+            .any(|rs| rs.need_round <= round && self.read_confirmations(rs) < w);
+        if waiting {
+            for &p in &attached {
+                if self.peers[p].pinged < round {
+                    self.peers[p].pinged = round;
+                    self.ping_waiting.insert(p);
+                    self.send(p, Request::Ping { epoch }, Ctx::Ping { round });
+                }
             }
         }
     }
 
-    /// Asks attached replicas that have not confirmed a waiting read yet.
-    pub(super) fn reping_reads(&mut self) {
-        let epoch = self.epoch;
-        let mut sends = Vec::new();
-        for (&op, rs) in &mut self.reads {
-            if rs.data.is_none() {
-                continue;
-            }
-            for p in 0..self.peers.len() {
-                if self.peers[p].link == Link::Attached && !rs.asked.contains(&p) {
-                    rs.asked.insert(p);
-                    sends.push((p, op));
-                }
-            }
+    /// Answer to a ping of `round`.
+    pub(super) fn on_ping(&mut self, from: ReplicaId, round: u64, resp: Response) {
+        if !matches!(resp, Response::Ack(_)) {
+            return self.peer_failed_with(from, "bad ping answer", Some(Ctx::Ping { round }));
         }
-        for (p, op) in sends {
-            self.send(p, Request::Ping { epoch }, Ctx::Ping { op });
+        let p = &mut self.peers[from];
+        p.pinged_ok = p.pinged_ok.max(round);
+        if round == self.ping_round {
+            self.ping_waiting.remove(&from);
         }
+        let done: Vec<OpId> = self
+            .reads
+            .iter()
+            .filter(|(_, rs)| rs.data.is_some() && rs.need_round <= round)
+            .map(|(&op, _)| op)
+            .collect();
+        for op in done {
+            self.check_read(op);
+        }
+        self.pump_pings();
     }
 
     /// Answer to a read.

@@ -269,6 +269,9 @@ pub struct EngineStatus {
     /// attached replica (reads of them fail with [`Error::BadBlock`]; a
     /// rebuild marks them bad on its target; a write replaces them).
     pub lost_blocks: Vec<(u64, u64)>,
+    /// Read-fencing ping rounds sent (one round confirms every read that
+    /// started before it).
+    pub ping_rounds: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -297,6 +300,10 @@ struct Peer {
     info: Option<ReplicaInfo>,
     /// Highest position acknowledged in this epoch.
     acked: Tag,
+    /// Highest read-fencing round this replica confirmed the epoch in.
+    pinged_ok: u64,
+    /// Highest read-fencing round sent to this replica.
+    pinged: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -313,7 +320,7 @@ enum Ctx {
         op: OpId,
     },
     Ping {
-        op: OpId,
+        round: u64,
     },
     RbFlush {
         session: u64,
@@ -383,8 +390,10 @@ struct ReadState {
     tried: BTreeSet<ReplicaId>,
     data: Option<Bytes>,
     confirmed: BTreeSet<ReplicaId>,
-    /// Ping round started (replicas asked).
-    asked: BTreeSet<ReplicaId>,
+    /// First read-fencing round sent after the read started: a replica
+    /// that confirmed the epoch in it (or a later one) confirmed it after
+    /// the read started.
+    need_round: u64,
     /// Blocks that were bad on every replica that answered so far (`None`
     /// before the first answer).
     bad: Option<BTreeSet<u64>>,
@@ -523,6 +532,14 @@ pub struct Engine {
     /// ([`CopyEntry::Bad`]) instead of aborting, so one lost block does not
     /// stall every rebuild (and, with one replica in sync, the volume).
     lost: BTreeMap<(u64, u64), Tag>,
+    /// Read fencing is coalesced: one ping round, sent to every attached
+    /// replica, confirms every read that started before it was sent.
+    /// Highest round sent (rounds only grow, also across re-attaches).
+    ping_round: u64,
+    /// Replicas asked in round `ping_round` that have not answered; the
+    /// next round is sent once this round has `W` confirmations or no
+    /// answers outstanding, and a read waits for it.
+    ping_waiting: BTreeSet<ReplicaId>,
     status: EngineStatus,
 }
 
@@ -540,6 +557,8 @@ impl Engine {
                 role: Role::Idle,
                 info: None,
                 acked: Tag::default(),
+                pinged_ok: 0,
+                pinged: 0,
             })
             .collect();
         let mut e = Engine {
@@ -573,6 +592,8 @@ impl Engine {
             max_start: Tag::default(),
             probe_started: 0,
             lost: BTreeMap::new(),
+            ping_round: 0,
+            ping_waiting: BTreeSet::new(),
             status: EngineStatus {
                 phase: Phase::Probing,
                 epoch: 0,
@@ -585,6 +606,7 @@ impl Engine {
                 repairs: 0,
                 lost_unflushed: 0,
                 lost_blocks: vec![],
+                ping_rounds: 0,
             },
             cfg,
         };
@@ -881,7 +903,7 @@ impl Engine {
                         tried: BTreeSet::new(),
                         data: None,
                         confirmed: BTreeSet::new(),
-                        asked: BTreeSet::new(),
+                        need_round: self.ping_round + 1,
                         bad: None,
                     },
                 );
@@ -1062,7 +1084,7 @@ impl Engine {
             for s in sessions {
                 self.rb_pump(s);
             }
-            self.reping_reads();
+            self.pump_pings();
         }
         self.pump();
     }
@@ -1130,10 +1152,11 @@ impl Engine {
                     }
                     self.read_attempt(op);
                 }
-                Ctx::Ping { op } => {
-                    if let Some(rs) = self.reads.get_mut(&op) {
-                        rs.asked.remove(&r);
+                Ctx::Ping { round } => {
+                    if round == self.ping_round {
+                        self.ping_waiting.remove(&r);
                     }
+                    self.pump_pings();
                 }
                 Ctx::ScrubTags { op, chunk } => self.scrub_drop(op, chunk, r),
                 Ctx::RepairRead {
@@ -1310,12 +1333,7 @@ impl Engine {
                 self.check_flushes();
             }
             Ctx::Read { op } => self.on_read(op, from, resp),
-            Ctx::Ping { op } => {
-                if let Some(rs) = self.reads.get_mut(&op) {
-                    rs.confirmed.insert(from);
-                }
-                self.check_read(op);
-            }
+            Ctx::Ping { round } => self.on_ping(from, round, resp),
             Ctx::RbFlush { session } => self.rb_send_begin(session),
             Ctx::RbBegin { session } => self.rb_begun(session, resp),
             Ctx::RbTags {

@@ -29,6 +29,10 @@ impl Engine {
             }
             // Keep at least R replicas marked Clean on disk, so a later
             // engine can always attach: a rebuild clears the target's mark.
+            // A target not marked Clean (an interrupted rebuild) lowers
+            // nothing: rebuilding it is the only way back to R (seed 7500:
+            // a fallback attach on the one Clean replica never rebuilt the
+            // two Rebuilding ones).
             let clean = |p: &Peer| {
                 p.link == Link::Attached
                     && p.info
@@ -36,8 +40,9 @@ impl Engine {
                         .is_some_and(|i| i.state == ReplicaState::Clean)
             };
             let known_clean = self.peers.iter().filter(|p| clean(p)).count();
-            let after = known_clean - usize::from(clean(&self.peers[r]));
-            if after < self.r_quorum() {
+            let target_clean = clean(&self.peers[r]);
+            let after = known_clean - usize::from(target_clean);
+            if target_clean && after < self.r_quorum() {
                 continue;
             }
             // Prefer a source that is not itself busy as a source.

@@ -12,9 +12,14 @@
 //! Each side proves knowledge of `K` over both fresh nonces, so a recorded
 //! handshake cannot be replayed. Session keys are derived per direction:
 //! `HMAC(K, "c2s" ‖ nonce_c ‖ nonce_s)` and `HMAC(K, "s2c" ‖ …)`. Every frame
-//! is `len: u32 BE ‖ payload ‖ HMAC(session key, seq ‖ payload)[..16]`, with
-//! `seq` counting frames per direction from 0: a replayed, reordered,
-//! dropped or forged frame fails the MAC and closes the connection.
+//! is `len: u32 BE ‖ AES-256-GCM(session key, nonce = seq, payload) ‖ tag`
+//! (16-byte tag), with `seq` counting frames per direction from 0: a
+//! replayed, reordered, dropped or forged frame fails the tag and closes the
+//! connection. Each (session key, seq) nonce is used once. Payloads are thus
+//! encrypted as well as authenticated: with AES-NI/VAES that runs at about
+//! 10 GB/s a core, five times HMAC-SHA256 (the tag of protocol version 1,
+//! which cost as much as the block checksums) and of GMAC without
+//! encryption in `ring`.
 
 pub mod server;
 
@@ -29,14 +34,14 @@ use crate::proto::msg::MAX_FRAME;
 
 type HmacSha256 = Hmac<Sha256>;
 
-const MAGIC: &[u8; 8] = b"SHEAFRP1";
+/// Protocol version 2: AES-256-GCM frames (version 1: HMAC-SHA256 tags).
+const MAGIC: &[u8; 8] = b"SHEAFRP2";
 const NONCE: usize = 32;
 const TAG: usize = 16;
 /// Read buffer of a session (many small frames per `read` syscall).
 pub(crate) const READ_BUFFER: usize = 256 << 10;
-/// Payloads at least this large are written from the caller's buffer
-/// instead of being copied into the send queue.
-const DIRECT_WRITE: usize = 64 << 10;
+/// Queued frame bytes that make [`FrameWriter::send`] write them out.
+const SEND_QUEUE: usize = 1 << 20;
 
 /// The shared secret that authenticates replication peers.
 #[derive(Clone)]
@@ -127,11 +132,55 @@ fn net(op: &'static str) -> impl FnOnce(io::Error) -> Error {
     move |source| Error::Net { op, source }
 }
 
+/// The frame key of one direction of a session.
+struct FrameKey(ring::aead::LessSafeKey);
+
+impl std::fmt::Debug for FrameKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FrameKey(..)")
+    }
+}
+
+impl FrameKey {
+    fn new(key: &[u8; 32]) -> FrameKey {
+        // A 32-byte key is always valid for AES-256-GCM.
+        let k = ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, key)
+            .unwrap_or_else(|_| unreachable!("AES-256 key length"));
+        FrameKey(ring::aead::LessSafeKey::new(k))
+    }
+
+    fn nonce(seq: u64) -> ring::aead::Nonce {
+        let mut nonce = [0u8; ring::aead::NONCE_LEN];
+        nonce[4..].copy_from_slice(&seq.to_be_bytes());
+        ring::aead::Nonce::assume_unique_for_key(nonce)
+    }
+
+    /// Encrypts `payload` in place (frame `seq`) and returns its tag.
+    fn seal(&self, seq: u64, payload: &mut [u8]) -> Result<[u8; TAG]> {
+        let tag = self
+            .0
+            .seal_in_place_separate_tag(Self::nonce(seq), ring::aead::Aad::empty(), payload)
+            .map_err(|_| Error::Auth("frame encryption failed".into()))?;
+        let mut out = [0u8; TAG];
+        out.copy_from_slice(tag.as_ref());
+        Ok(out)
+    }
+
+    /// Checks and decrypts `frame` (ciphertext ‖ tag of frame `seq`) in
+    /// place; returns the payload length.
+    fn open(&self, seq: u64, frame: &mut [u8]) -> Result<usize> {
+        self.0
+            .open_in_place(Self::nonce(seq), ring::aead::Aad::empty(), frame)
+            .map(|p| p.len())
+            .map_err(|_| Error::Auth(format!("bad tag on frame {seq}")))
+    }
+}
+
 /// Sending half of an authenticated session.
 #[derive(Debug)]
 pub struct FrameWriter<W> {
     w: W,
-    key: [u8; 32],
+    key: FrameKey,
     seq: u64,
     buf: Vec<u8>,
 }
@@ -140,7 +189,7 @@ pub struct FrameWriter<W> {
 #[derive(Debug)]
 pub struct FrameReader<R> {
     r: R,
-    key: [u8; 32],
+    key: FrameKey,
     seq: u64,
 }
 
@@ -154,25 +203,14 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
                 max: MAX_FRAME as u64,
             });
         }
-        let tag = mac_with(&self.key, &[&self.seq.to_le_bytes(), payload]);
-        self.seq += 1;
         let len = (payload.len() + TAG) as u32;
         self.buf.extend_from_slice(&len.to_be_bytes());
-        if payload.len() >= DIRECT_WRITE {
-            // Large payload: write the queue and the payload as they are
-            // (no copy); the tag goes out with the next flush.
-            self.w
-                .write_all(&self.buf)
-                .await
-                .map_err(net("send frame"))?;
-            self.buf.clear();
-            self.w.write_all(payload).await.map_err(net("send frame"))?;
-            self.buf.extend_from_slice(&tag[..TAG]);
-            return Ok(());
-        }
+        let at = self.buf.len();
         self.buf.extend_from_slice(payload);
-        self.buf.extend_from_slice(&tag[..TAG]);
-        if self.buf.len() >= 1 << 20 {
+        let tag = self.key.seal(self.seq, &mut self.buf[at..])?;
+        self.seq += 1;
+        self.buf.extend_from_slice(&tag);
+        if self.buf.len() >= SEND_QUEUE {
             self.flush().await?;
         }
         Ok(())
@@ -214,13 +252,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             .read_exact(&mut buf)
             .await
             .map_err(net("receive frame"))?;
-        let (payload, tag) = buf.split_at(len - TAG);
-        let want = mac_with(&self.key, &[&self.seq.to_le_bytes(), payload]);
-        if !ct_eq(&want[..TAG], tag) {
-            return Err(Error::Auth(format!("bad MAC on frame {}", self.seq)));
-        }
+        let n = self.key.open(self.seq, &mut buf)?;
         self.seq += 1;
-        buf.truncate(len - TAG);
+        buf.truncate(n);
         Ok(Some(buf))
     }
 }
@@ -267,12 +301,12 @@ where
     Ok((
         FrameReader {
             r,
-            key: s2c,
+            key: FrameKey::new(&s2c),
             seq: 0,
         },
         FrameWriter {
             w,
-            key: c2s,
+            key: FrameKey::new(&c2s),
             seq: 0,
             buf: Vec::new(),
         },
@@ -312,12 +346,12 @@ where
     Ok((
         FrameReader {
             r,
-            key: c2s,
+            key: FrameKey::new(&c2s),
             seq: 0,
         },
         FrameWriter {
             w,
-            key: s2c,
+            key: FrameKey::new(&s2c),
             seq: 0,
             buf: Vec::new(),
         },
@@ -350,10 +384,10 @@ mod tests {
 
     #[tokio::test]
     async fn large_frames_and_buffered_batches() {
-        let key = [3u8; 32];
+        let key = || FrameKey::new(&[3u8; 32]);
         let mut w = FrameWriter {
             w: Vec::new(),
-            key,
+            key: key(),
             seq: 0,
             buf: Vec::new(),
         };
@@ -364,7 +398,7 @@ mod tests {
         w.flush().await.unwrap();
         let mut r = FrameReader {
             r: tokio::io::BufReader::with_capacity(64, &w.w[..]),
-            key,
+            key: key(),
             seq: 0,
         };
         assert!(!r.frame_buffered(), "nothing read yet");
@@ -375,7 +409,7 @@ mod tests {
         // Two small frames arrive in one buffer fill: the second is buffered.
         let mut w2 = FrameWriter {
             w: Vec::new(),
-            key,
+            key: key(),
             seq: 0,
             buf: Vec::new(),
         };
@@ -384,7 +418,7 @@ mod tests {
         w2.flush().await.unwrap();
         let mut r = FrameReader {
             r: tokio::io::BufReader::with_capacity(4096, &w2.w[..]),
-            key,
+            key: key(),
             seq: 0,
         };
         assert_eq!(r.recv().await.unwrap().unwrap(), b"one");
@@ -411,10 +445,10 @@ mod tests {
 
     #[tokio::test]
     async fn replayed_or_forged_frame_is_refused() {
-        let key = [7u8; 32];
+        let key = || FrameKey::new(&[7u8; 32]);
         let mut w = FrameWriter {
             w: Vec::new(),
-            key,
+            key: key(),
             seq: 0,
             buf: Vec::new(),
         };
@@ -428,7 +462,7 @@ mod tests {
         stream.extend_from_slice(&first);
         let mut r = FrameReader {
             r: &stream[..],
-            key,
+            key: key(),
             seq: 0,
         };
         assert_eq!(r.recv().await.unwrap().unwrap(), b"one");
@@ -438,14 +472,14 @@ mod tests {
         forged[5] ^= 1;
         let mut r = FrameReader {
             r: &forged[..],
-            key,
+            key: key(),
             seq: 0,
         };
         assert!(matches!(r.recv().await, Err(Error::Auth(_))));
         // Absurd length.
         let mut r = FrameReader {
             r: &[0xffu8, 0xff, 0xff, 0xff][..],
-            key,
+            key: key(),
             seq: 0,
         };
         assert!(matches!(r.recv().await, Err(Error::Auth(_))));

@@ -247,11 +247,23 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         if !(TAG..=MAX_FRAME + TAG).contains(&len) {
             return Err(Error::Auth(format!("frame length {len} out of range")));
         }
-        let mut buf = vec![0u8; len];
-        self.r
-            .read_exact(&mut buf)
-            .await
-            .map_err(net("receive frame"))?;
+        // Filled straight from the socket (no zeroing first: `read_buf`
+        // only appends initialized bytes).
+        let mut buf = Vec::with_capacity(len);
+        while buf.len() < len {
+            let want = (len - buf.len()) as u64;
+            let n = (&mut self.r)
+                .take(want)
+                .read_buf(&mut buf)
+                .await
+                .map_err(net("receive frame"))?;
+            if n == 0 {
+                return Err(Error::Net {
+                    op: "receive frame",
+                    source: io::ErrorKind::UnexpectedEof.into(),
+                });
+            }
+        }
         let n = self.key.open(self.seq, &mut buf)?;
         self.seq += 1;
         buf.truncate(n);

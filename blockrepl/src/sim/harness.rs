@@ -1123,11 +1123,21 @@ impl Sim {
         any
     }
 
-    /// True if replica `o` is down or holds a copy that fails verification.
+    /// True if replica `o` is down or holds a copy that fails verification,
+    /// including an older copy in a layer file that a WAL-resident write
+    /// shadows: a power loss that drops the write exposes it again (seed
+    /// 7465: a latent sector error under an unsynced write became the only
+    /// copy of a block after a total power loss), or whose disk still
+    /// misdirects writes (the damage lands with its next writes; seed 5738:
+    /// it landed after the flag was cleared, and another replica's power
+    /// loss had dropped the good copies).
     fn has_bad_copy(&self, o: usize) -> bool {
         let Some(store) = self.replicas[o].core.as_ref().and_then(|c| c.store()) else {
             return true;
         };
+        if !store.fallback_copies_ok() || self.replicas[o].disk.faults().misdirect > 0.0 {
+            return true;
+        }
         let n = store.size_blocks().min(u32::MAX as u64) as u32;
         store.layer_ids().into_iter().any(|layer| {
             store.read_layer(layer, 0, n, false).map_or(true, |v| {

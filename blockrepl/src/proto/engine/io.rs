@@ -147,6 +147,7 @@ impl Engine {
         let r = candidates[self.rr % candidates.len()];
         if let Some(rs) = self.reads.get_mut(&op) {
             rs.tried.insert(r);
+            rs.server = Some(r);
         }
         let epoch = self.epoch;
         self.send(r, Request::Read { epoch, lba, blocks }, Ctx::Read { op });
@@ -190,10 +191,11 @@ impl Engine {
     /// is settled; asks replicas that (re)attached since the current round
     /// was sent while reads still wait for it.
     pub(super) fn pump_pings(&mut self) {
-        if self.phase != Phase::Running {
+        let w = self.w();
+        // With W = 1 the serving replica's answer confirms the epoch alone.
+        if self.phase != Phase::Running || w <= 1 {
             return;
         }
-        let w = self.w();
         let epoch = self.epoch;
         let attached: Vec<ReplicaId> = (0..self.peers.len())
             .filter(|&p| self.peers[p].link == Link::Attached)
@@ -204,16 +206,31 @@ impl Engine {
             .iter()
             .filter(|&&p| self.peers[p].pinged_ok >= self.ping_round)
             .count();
-        let settled = self.ping_round == 0 || self.ping_waiting.is_empty() || ok >= w;
+        // Settled at W − 1 confirmations: with the serving replica's answer
+        // that completes a read, so a queue-depth-1 reader never waits for
+        // the slowest replica's answer before its own round goes out.
+        let settled = self.ping_round == 0 || self.ping_waiting.is_empty() || ok + 1 >= w;
         if settled && self.reads_need_round() && !attached.is_empty() {
+            // A replica serving every waiting read confirms with its
+            // answers: it is not pinged (queue depth 1 costs W − 1 pings
+            // per read, as before coalescing).
+            let mut servers = self
+                .reads
+                .values()
+                .filter(|rs| self.read_confirmations(rs) < w)
+                .map(|rs| rs.server);
+            let only = servers.next().flatten();
+            let skip = only.filter(|&s| servers.all(|x| x == Some(s)));
             self.ping_round += 1;
             self.status.ping_rounds += 1;
             self.ping_waiting.clear();
+            let round = self.ping_round;
             for &p in &attached {
-                self.peers[p].pinged = self.ping_round;
-                self.ping_waiting.insert(p);
-                let round = self.ping_round;
-                self.send(p, Request::Ping { epoch }, Ctx::Ping { round });
+                self.peers[p].pinged = round;
+                if Some(p) != skip {
+                    self.ping_waiting.insert(p);
+                    self.send(p, Request::Ping { epoch }, Ctx::Ping { round });
+                }
             }
             return;
         }

@@ -358,6 +358,10 @@ enum Ctx {
         /// Tag of the bad copy, when known: replicas that are not in sync
         /// may supply a copy only if it carries this tag (the same write).
         want: Option<Tag>,
+        /// Further layers of the peer asked last to look in for a copy of
+        /// `want` (a stale replica may still hold the write in a snapshot
+        /// layer that a later DeleteSnapshot merged elsewhere: seed 8306).
+        rest: Vec<u64>,
     },
     Repair,
     Detach,
@@ -394,6 +398,8 @@ struct ReadState {
     /// that confirmed the epoch in it (or a later one) confirmed it after
     /// the read started.
     need_round: u64,
+    /// Replica the read was last sent to.
+    server: Option<ReplicaId>,
     /// Blocks that were bad on every replica that answered so far (`None`
     /// before the first answer).
     bad: Option<BTreeSet<u64>>,
@@ -537,7 +543,8 @@ pub struct Engine {
     /// Highest round sent (rounds only grow, also across re-attaches).
     ping_round: u64,
     /// Replicas asked in round `ping_round` that have not answered; the
-    /// next round is sent once this round has `W` confirmations or no
+    /// next round is sent once this round has `W - 1` confirmations (the
+    /// serving replica's answer is the W-th) or no
     /// answers outstanding, and a read waits for it.
     ping_waiting: BTreeSet<ReplicaId>,
     status: EngineStatus,
@@ -904,6 +911,7 @@ impl Engine {
                         data: None,
                         confirmed: BTreeSet::new(),
                         need_round: self.ping_round + 1,
+                        server: None,
                         bad: None,
                     },
                 );
@@ -1165,6 +1173,7 @@ impl Engine {
                     lba,
                     tried,
                     want,
+                    ..
                 } if bad_on != r => {
                     self.schedule_repair_from(bad_on, layer, lba, tried, want);
                 }
@@ -1285,9 +1294,10 @@ impl Engine {
                         lba,
                         tried,
                         want,
+                        rest,
                     } = p.ctx
                     {
-                        self.schedule_repair_from(bad_on, layer, lba, tried, want);
+                        self.repair_next(bad_on, layer, lba, tried, want, rest);
                     }
                     return;
                 }
@@ -1356,7 +1366,8 @@ impl Engine {
                 lba,
                 tried,
                 want,
-            } => self.on_repair_read(bad_on, layer, lba, tried, want, resp),
+                rest,
+            } => self.on_repair_read(bad_on, layer, lba, tried, want, rest, resp),
             Ctx::Repair => {}
             Ctx::Adopt => {
                 if let Response::Info(info) = resp {

@@ -58,9 +58,41 @@ impl Engine {
             return;
         };
         tried.push(from);
+        // A replica that is not in sync may hold the same write in another
+        // layer (a snapshot it has not deleted yet): look there too, top
+        // first. In-sync replicas have the engine's chain.
+        let mut rest: Vec<u64> = Vec::new();
+        if self.peers[from].role != Role::Active
+            && let Some(info) = &self.peers[from].info
+        {
+            rest = info
+                .layers
+                .iter()
+                .rev()
+                .map(|l| l.id)
+                .filter(|&id| id != layer)
+                .collect();
+        }
+        self.send_repair_read(from, bad_on, layer, layer, lba, tried, want, rest);
+    }
+
+    /// Asks `from` for its copy of `lba` in its layer `read`, to repair
+    /// `layer` on `bad_on`.
+    #[allow(clippy::too_many_arguments)]
+    fn send_repair_read(
+        &mut self,
+        from: ReplicaId,
+        bad_on: ReplicaId,
+        layer: u64,
+        read: u64,
+        lba: u64,
+        tried: Vec<ReplicaId>,
+        want: Option<Tag>,
+        rest: Vec<u64>,
+    ) {
         let req = Request::ReadLayer {
             epoch: self.epoch,
-            layer,
+            layer: read,
             lba,
             blocks: 1,
             data: true,
@@ -74,8 +106,31 @@ impl Engine {
                 lba,
                 tried,
                 want,
+                rest,
             },
         );
+    }
+
+    /// The last peer asked had no usable copy in the layer asked: try its
+    /// next layer, then the next peer.
+    pub(super) fn repair_next(
+        &mut self,
+        bad_on: ReplicaId,
+        layer: u64,
+        lba: u64,
+        tried: Vec<ReplicaId>,
+        want: Option<Tag>,
+        mut rest: Vec<u64>,
+    ) {
+        if let Some(&from) = tried.last()
+            && !rest.is_empty()
+            && self.peers[from].link == Link::Attached
+            && self.peers[bad_on].link == Link::Attached
+        {
+            let read = rest.remove(0);
+            return self.send_repair_read(from, bad_on, layer, read, lba, tried, want, rest);
+        }
+        self.schedule_repair_from(bad_on, layer, lba, tried, want);
     }
 
     pub(super) fn scrub_pump(&mut self) {
@@ -253,6 +308,7 @@ impl Engine {
     }
 
     /// A peer's copy of a block to repair on `bad_on`.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn on_repair_read(
         &mut self,
         bad_on: ReplicaId,
@@ -260,6 +316,7 @@ impl Engine {
         lba: u64,
         tried: Vec<ReplicaId>,
         want: Option<Tag>,
+        rest: Vec<u64>,
         resp: Response,
     ) {
         let from_active = tried
@@ -312,8 +369,9 @@ impl Engine {
             }
         }
         if !repaired {
-            // That copy was bad too, another write, or gone: try the next replica.
-            self.schedule_repair_from(bad_on, layer, lba, tried, want);
+            // That copy was bad too, another write, or gone: try the
+            // peer's next layer, then the next replica.
+            self.repair_next(bad_on, layer, lba, tried, want, rest);
         }
     }
 }

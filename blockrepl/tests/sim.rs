@@ -619,6 +619,7 @@ fn a_block_with_no_good_copy_is_a_read_error_and_does_not_stall_rebuild() {
         matches!(r, Ok(OpOutput::Data(ref d)) if d[..] == blk(0x7c)[..]),
         "{r:?}"
     );
+    assert!(e.status().lost_blocks.is_empty(), "{:?}", e.status());
 }
 
 /// Read fencing is coalesced: 32 reads submitted together share two ping

@@ -898,6 +898,17 @@ impl Engine {
         }
     }
 
+    /// A write to the head replaces lost blocks there. (Should the write
+    /// fail, a rebuild meeting the bad copy finds it lost again after one
+    /// more repair attempt.)
+    fn forget_lost(&mut self, lba: u64, blocks: u64) {
+        if let Some(head) = self.layers.last().map(|l| l.id) {
+            let end = lba.saturating_add(blocks);
+            self.lost
+                .retain(|&(l, b), _| l != head || b < lba || b >= end);
+        }
+    }
+
     fn start(&mut self, q: Queued) {
         let id = q.id;
         match q.op {
@@ -917,8 +928,12 @@ impl Engine {
                 );
                 self.read_attempt(id);
             }
-            ClientOp::Write { lba, data } => self.issue(id, Op::Write { lba, data }, Commit::None),
+            ClientOp::Write { lba, data } => {
+                self.forget_lost(lba, (data.len() / BLOCK_SIZE) as u64);
+                self.issue(id, Op::Write { lba, data }, Commit::None)
+            }
             ClientOp::Zero { lba, blocks } => {
+                self.forget_lost(lba, blocks as u64);
                 self.issue(id, Op::Zero { lba, blocks }, Commit::None)
             }
             ClientOp::Flush => {

@@ -186,6 +186,10 @@ const REGRESSION_SEEDS: &[u64] = &[
     // a total power loss (7465) and a disk still misdirecting writes whose
     // damage flag had been cleared (5738).
     5738, 7465, 8306,
+    // A re-attach dropped every pending request, including the current
+    // read-fencing round's pings, without clearing the round's waiting
+    // set: the round never settled and every later read waited forever.
+    7082,
 ];
 
 #[test]

@@ -890,6 +890,7 @@ impl Store {
             return Err(Error::InvalidArgument("bad layer list".into()));
         }
         self.checkpoint()?;
+        self.merge_dropped_layers(layers)?;
         let mut old: Vec<Layer> = std::mem::take(&mut self.layers);
         let mut new = Vec::new();
         for info in layers {
@@ -924,6 +925,64 @@ impl Store {
             drop(l);
             self.dir.remove(&d).map_err(Error::store("remove layer"))?;
             self.dir.remove(&m).map_err(Error::store("remove layer"))?;
+        }
+        Ok(())
+    }
+
+    /// Before a rebuild adopts `layers`: a local layer the new chain lacks
+    /// but that sits below a layer it keeps is a snapshot deleted while
+    /// this replica was away. Its good copies the kept layer lacks are
+    /// merged into it, as DeleteSnapshot would have done, so a good copy of
+    /// a write that is bad on every other replica survives the rebuild
+    /// (its tag comparison corrects everything else; bad copies are left
+    /// to it). Layers above every kept one (dropped by a revert) are not
+    /// merged.
+    fn merge_dropped_layers(&mut self, layers: &[LayerInfo]) -> Result<()> {
+        let keep = |id: u64| layers.iter().any(|l| l.id == id);
+        let mut buf = vec![0u8; BLOCK_SIZE];
+        for i in (0..self.layers.len()).rev() {
+            if keep(self.layers[i].info.id) {
+                continue;
+            }
+            let Some(k) = (i + 1..self.layers.len()).find(|&k| keep(self.layers[k].info.id)) else {
+                continue;
+            };
+            let kid = self.layers[k].info.id;
+            let mut moved: Vec<u64> = self.layers[i]
+                .blocks
+                .keys()
+                .copied()
+                .filter(|b| !self.layers[k].blocks.contains_key(b))
+                .collect();
+            moved.sort_unstable();
+            for b in moved {
+                let Some(e) = self.layers[i].blocks.get(&b).copied() else {
+                    continue;
+                };
+                if !self.read_entry(i, b, &e, &mut buf) {
+                    continue;
+                }
+                let what = if e.meta.is_zero() {
+                    SetBlock::Zero(e.meta.tag)
+                } else {
+                    SetBlock::Data(e.meta.tag, &buf)
+                };
+                let (kind, tag, data) = match what {
+                    SetBlock::Data(t, d) => (WalKind::SetData, t, d),
+                    SetBlock::Zero(t) => (WalKind::SetZero, t, &[][..]),
+                    SetBlock::Absent => continue,
+                };
+                let h = WalHeader {
+                    kind,
+                    wal_gen: self.sb.wal_gen,
+                    layer: kid,
+                    tag,
+                    lba: b,
+                    nblocks: 1,
+                };
+                let data = data.to_vec();
+                self.append(h, &data)?;
+            }
         }
         Ok(())
     }

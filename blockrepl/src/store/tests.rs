@@ -300,3 +300,39 @@ fn old_all_ones_damage_marker_still_opens_as_damaged() {
     assert_eq!(s.entry(1, 3), Some((Tag::default(), false, false)));
     assert!(!read1(&s, 3).1);
 }
+
+/// A rebuild adopting a chain without a snapshot this stale replica still
+/// has (deleted elsewhere) merges its good copies into the kept child, as
+/// DeleteSnapshot would, so a good copy of a write that is bad everywhere
+/// else survives; a layer above every kept one (a revert) is not merged.
+#[test]
+fn begin_rebuild_merges_a_deleted_snapshot_into_its_child_only() {
+    let info = |id: u64| LayerInfo {
+        id,
+        name: String::new(),
+        created: Tag::new(1, 2),
+    };
+    let d = SimDisk::new(11);
+    let mut s = new_store(&d, 8);
+    s.write(Tag::new(1, 1), 5, 1, Some(&blk(9))).unwrap();
+    s.snapshot(Tag::new(1, 2), "s1", 2).unwrap();
+    s.write(Tag::new(1, 3), 6, 1, Some(&blk(8))).unwrap();
+    // Elsewhere s1 was deleted: the chain is [2].
+    s.begin_rebuild(&[info(2)], 8, Tag::new(1, 4)).unwrap();
+    assert_eq!(s.layer_ids(), vec![2]);
+    assert_eq!(s.entry(2, 5), Some((Tag::new(1, 1), false, true)));
+    assert_eq!(read1(&s, 5), (blk(9), true));
+    assert_eq!(read1(&s, 6), (blk(8), true));
+    // Elsewhere the volume was reverted to layer 2 with a new head 3: the
+    // old head 4 (above every kept layer) is dropped, not merged.
+    let d = SimDisk::new(12);
+    let mut s = new_store(&d, 8);
+    s.snapshot(Tag::new(1, 1), "s1", 2).unwrap();
+    s.write(Tag::new(1, 2), 5, 1, Some(&blk(7))).unwrap();
+    s.begin_rebuild(&[info(1), info(3)], 8, Tag::new(1, 3))
+        .unwrap();
+    assert_eq!(s.layer_ids(), vec![1, 3]);
+    assert_eq!(s.entry(1, 5), None);
+    assert_eq!(s.entry(3, 5), None);
+    assert_eq!(read1(&s, 5), (blk(0), true));
+}

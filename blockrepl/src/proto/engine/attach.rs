@@ -56,6 +56,9 @@ impl Engine {
         for id in ids {
             self.pending.remove(&id);
         }
+        // Those requests include the current ping round's: nobody will
+        // answer it (seed 7082: reads waited forever for a settled round).
+        self.ping_waiting.clear();
         for r in 0..self.peers.len() {
             self.probe(r);
         }

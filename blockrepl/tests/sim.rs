@@ -692,3 +692,53 @@ fn concurrent_reads_share_ping_rounds() {
     assert_eq!(e.status().ping_rounds - rounds1, 4);
     assert_eq!(w.pings - pings1, 8);
 }
+
+/// A read whose ping round went out while the other replicas were cut off
+/// completes once they come back: they are asked again (a replica that
+/// failed is no longer counted as asked in the round).
+#[test]
+fn a_read_waiting_on_a_failed_round_completes_when_replicas_return() {
+    use bytes::Bytes;
+    use sheaf_blockrepl::proto::engine::{ClientOp, Engine, EngineConfig, OpOutput, Phase};
+    use std::collections::BTreeSet;
+
+    let mut w = zombie::World::new(3);
+    let none = BTreeSet::new();
+    let mut c = EngineConfig::new(3, 1);
+    c.request_timeout = 5;
+    c.rejoin_interval = 5;
+    let mut e = Engine::new(c);
+    for _ in 0..3 {
+        e.tick();
+        w.run(&mut e, &none);
+    }
+    assert_eq!(e.phase(), Phase::Running);
+    let data = Bytes::from(vec![0x42; 4096]);
+    e.submit(1, ClientOp::Write { lba: 1, data });
+    assert!(
+        w.run(&mut e, &none)
+            .iter()
+            .any(|(id, r)| *id == 1 && r.is_ok())
+    );
+    // Replicas 1 and 2 are cut off while a read waits for its round.
+    let cut: BTreeSet<usize> = [1, 2].into();
+    e.submit(2, ClientOp::Read { lba: 1, blocks: 1 });
+    let mut got = None;
+    for i in 0..200 {
+        let cut_now = if i < 20 { &cut } else { &none };
+        for (id, r) in w.run(&mut e, cut_now) {
+            if id == 2 {
+                got = Some(r);
+            }
+        }
+        if got.is_some() {
+            break;
+        }
+        e.tick();
+    }
+    let r = got.expect("the read never completed");
+    assert!(
+        matches!(&r, Ok(OpOutput::Data(d)) if d[..] == [0x42u8; 4096][..]),
+        "{r:?}"
+    );
+}

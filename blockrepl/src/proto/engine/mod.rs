@@ -1130,6 +1130,9 @@ impl Engine {
         };
         self.peers[r].role = Role::Idle;
         self.peers[r].info = None;
+        // Its answer to the current ping round will not come: ask it again
+        // once it is back if reads still wait for that round.
+        self.peers[r].pinged = 0;
         if was == Role::Active {
             warn!(
                 replica = r,

@@ -43,6 +43,10 @@ const SB_NAME: &str = "superblock";
 const WAL_NAME: &str = "wal";
 /// WAL size above which a flush also checkpoints.
 const CHECKPOINT_BYTES: u64 = 64 << 20;
+/// Hard WAL bound, as a multiple of the flush checkpoint size: an append
+/// that would grow the WAL past it checkpoints first, so a client that never
+/// flushes cannot grow the WAL (and the in-memory dirty set) without bound.
+const WAL_LIMIT_FACTOR: u64 = 2;
 
 #[derive(Clone, Copy, Debug)]
 enum Loc {
@@ -413,7 +417,17 @@ impl Store {
         Ok(())
     }
 
-    fn append(&mut self, h: WalHeader, data: &[u8]) -> Result<()> {
+    fn append(&mut self, mut h: WalHeader, data: &[u8]) -> Result<()> {
+        let rec = (WAL_HDR + data.len()) as u64;
+        if self.wal_len > 0 && self.wal_len + rec > self.wal_limit() {
+            // Nobody flushed for a long time: make the WAL's content durable
+            // and move it into the layer files now (only makes unflushed
+            // writes durable earlier, which every caller allows). Every
+            // record so far is fully applied, so this is a consistent point.
+            debug!(wal_bytes = self.wal_len, "wal limit reached, checkpointing");
+            self.checkpoint()?;
+            h.wal_gen = self.sb.wal_gen;
+        }
         let hdr = h.encode(data);
         let off = self.wal_len;
         self.wal
@@ -753,9 +767,21 @@ impl Store {
     }
 
     /// Sets the WAL size that triggers a checkpoint on flush (tests use small
-    /// values to exercise checkpoints).
+    /// values to exercise checkpoints). The hard WAL bound, checkpointed in
+    /// the write path, is [`WAL_LIMIT_FACTOR`] times this.
     pub fn set_checkpoint_bytes(&mut self, bytes: u64) {
         self.checkpoint_bytes = bytes;
+    }
+
+    /// WAL size an append may not exceed without checkpointing first (a
+    /// single record larger than it is still appended to an empty WAL).
+    fn wal_limit(&self) -> u64 {
+        self.checkpoint_bytes.saturating_mul(WAL_LIMIT_FACTOR)
+    }
+
+    /// Current WAL length in bytes (tests).
+    pub fn wal_bytes(&self) -> u64 {
+        self.wal_len
     }
 
     /// Copies WAL-resident blocks into the layer files, syncs them, and starts

@@ -336,3 +336,88 @@ fn begin_rebuild_merges_a_deleted_snapshot_into_its_child_only() {
     assert_eq!(s.entry(3, 5), None);
     assert_eq!(read1(&s, 5), (blk(0), true));
 }
+
+#[test]
+fn wal_stays_bounded_without_flushes() {
+    // A client that never flushes (fio without fsync): the WAL must not grow
+    // past its bound, and everything written reads back after a reopen.
+    let dir = tempfile::tempdir().unwrap();
+    let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+    let blocks = 512u64;
+    let mut s = Store::create(mk(), blocks, ReplicaState::Clean).unwrap();
+    let cp = 64 << 10;
+    s.set_checkpoint_bytes(cp);
+    let limit = cp * WAL_LIMIT_FACTOR;
+    let run = 4u32;
+    let mut expect = vec![0u8; blocks as usize];
+    let mut max_wal = 0;
+    for i in 1..=1000u64 {
+        let lba = (i * 7 * run as u64) % (blocks - run as u64);
+        let v = (i % 251) as u8 + 1;
+        s.write(
+            Tag::new(1, i),
+            lba,
+            run,
+            Some(&vec![v; run as usize * BLOCK_SIZE]),
+        )
+        .unwrap();
+        expect[lba as usize..(lba + run as u64) as usize].fill(v);
+        let on_disk = std::fs::metadata(dir.path().join("wal")).unwrap().len();
+        assert!(on_disk <= limit, "write {i}: wal {on_disk} > limit {limit}");
+        assert_eq!(on_disk, s.wal_bytes());
+        max_wal = max_wal.max(on_disk);
+    }
+    // The bound was reached (so the write-path checkpoint ran) and held.
+    assert!(max_wal > limit / 2, "max wal {max_wal}");
+    drop(s);
+    let s = Store::open(mk()).unwrap();
+    assert_eq!(s.position(), Tag::new(1, 1000));
+    for lba in 0..blocks {
+        assert_eq!(
+            read1(&s, lba),
+            (blk(expect[lba as usize]), true),
+            "block {lba}"
+        );
+    }
+}
+
+#[test]
+fn wal_limit_checkpoints_survive_power_loss_as_a_prefix() {
+    // Without any flush, power loss keeps at least what the write-path
+    // checkpoints made durable, and exactly a prefix of the history.
+    for seed in 0..50u64 {
+        let d = SimDisk::new(seed);
+        let mut rng = Prng::new(seed);
+        let mut s = new_store(&d, 8);
+        let rec = BLOCK_SIZE as u64 + WAL_HDR as u64;
+        s.set_checkpoint_bytes(rec);
+        let per_wal = (rec * WAL_LIMIT_FACTOR) / rec;
+        let n = rng.range(1, 40);
+        let mut history = vec![];
+        for i in 1..=n {
+            let lba = rng.below(8);
+            let v = (i % 250) as u8 + 1;
+            s.write(Tag::new(1, i), lba, 1, Some(&blk(v))).unwrap();
+            history.push((lba, v));
+        }
+        drop(s);
+        d.power_loss(&mut rng);
+        let s = Store::open(Box::new(d.clone())).unwrap();
+        let p = s.position().index;
+        assert!(
+            p + per_wal >= n && p <= n,
+            "seed {seed}: position {p}, n {n}"
+        );
+        let mut expect = [0u8; 8];
+        for (lba, v) in &history[..p as usize] {
+            expect[*lba as usize] = *v;
+        }
+        for lba in 0..8 {
+            assert_eq!(
+                read1(&s, lba),
+                (blk(expect[lba as usize]), true),
+                "seed {seed}"
+            );
+        }
+    }
+}

@@ -107,8 +107,8 @@ impl EngineConfig {
             max_inflight: 64,
             max_queued: 4096,
             on_quorum_loss: QuorumLossPolicy::Suspend,
-            rebuild_chunk: 64,
-            rebuild_parallel: 4,
+            rebuild_chunk: MAX_IO_BLOCKS as u32,
+            rebuild_parallel: 8,
             bugs: Bugs::default(),
         }
     }
@@ -434,6 +434,10 @@ struct Chunk {
     src: Option<Vec<BlockTag>>,
     tgt: Option<Vec<BlockTag>>,
     diff: Vec<bool>,
+    /// The source was asked for the data with its tags.
+    with_data: bool,
+    /// The source's answer with data, until the target's tags are in.
+    src_data: Option<Vec<(BlockTag, Option<Bytes>)>>,
 }
 
 #[derive(Debug)]
@@ -448,6 +452,8 @@ struct RebuildState {
     next_lba: u64,
     chunks: BTreeMap<u64, Chunk>,
     next_chunk: u64,
+    /// Ask the source for data with tags (the target's last chunk was empty).
+    data_first: bool,
     copy_done: bool,
     incomplete: bool,
     ending: bool,

@@ -68,6 +68,7 @@ impl Engine {
                 next_lba: 0,
                 chunks: BTreeMap::new(),
                 next_chunk: 0,
+                data_first: true,
                 copy_done: false,
                 incomplete: false,
                 ending: false,
@@ -164,6 +165,12 @@ impl Engine {
             rb.next_lba += blocks as u64;
             let chunk = rb.next_chunk;
             rb.next_chunk += 1;
+            // While the target's chunks come back empty (a new or wiped
+            // replica), the source's tag pass also returns the data: the
+            // store reads and verifies every present block for its tag
+            // anyway, so this saves a second read and a round trip. The
+            // diff is still computed from both replicas' tags.
+            let with_data = rb.data_first;
             rb.chunks.insert(
                 chunk,
                 Chunk {
@@ -173,20 +180,22 @@ impl Engine {
                     src: None,
                     tgt: None,
                     diff: vec![],
+                    with_data,
+                    src_data: None,
                 },
             );
             let target = rb.target;
             let epoch = self.epoch;
-            let mk = |_: ()| Request::ReadLayer {
+            let mk = |data: bool| Request::ReadLayer {
                 epoch,
                 layer,
                 lba,
                 blocks,
-                data: false,
+                data,
             };
             self.send(
                 source,
-                mk(()),
+                mk(with_data),
                 Ctx::RbTags {
                     session,
                     chunk,
@@ -195,7 +204,7 @@ impl Engine {
             );
             self.send(
                 target,
-                mk(()),
+                mk(false),
                 Ctx::RbTags {
                     session,
                     chunk,
@@ -230,18 +239,26 @@ impl Engine {
         let Response::Layer(v) = resp else {
             return self.rb_abort(session, "bad tags answer");
         };
-        let tags: Vec<BlockTag> = v.into_iter().map(|(t, _)| t).collect();
         let Some(c) = self.rebuilds[i].chunks.get_mut(&chunk) else {
             return;
         };
-        if tags.len() != c.blocks as usize {
+        if v.len() != c.blocks as usize {
             return self.rb_abort(session, "short tags answer");
         }
+        let tags: Vec<BlockTag> = v.iter().map(|(t, _)| *t).collect();
         if source {
+            if c.with_data {
+                c.src_data = Some(v);
+            }
             c.src = Some(tags);
         } else {
+            let empty = tags.iter().all(|t| *t == BlockTag::Absent);
             c.tgt = Some(tags);
+            self.rebuilds[i].data_first = empty;
         }
+        let Some(c) = self.rebuilds[i].chunks.get_mut(&chunk) else {
+            return;
+        };
         let (Some(s), Some(t)) = (&c.src, &c.tgt) else {
             return;
         };
@@ -272,6 +289,11 @@ impl Engine {
         c.lba = lba + first as u64;
         c.blocks = (last - first + 1) as u32;
         c.diff = diff[first..=last].to_vec();
+        if let Some(mut v) = c.src_data.take() {
+            v.truncate(last + 1);
+            v.drain(..first);
+            return self.rb_copy(i, chunk, v);
+        }
         let req = Request::ReadLayer {
             epoch: self.epoch,
             layer,
@@ -290,16 +312,24 @@ impl Engine {
         let Response::Layer(v) = resp else {
             return self.rb_abort(session, "bad data answer");
         };
-        let Some(c) = self.rebuilds[i].chunks.get(&chunk).cloned() else {
+        self.rb_copy(i, chunk, v);
+    }
+
+    /// Sends the differing blocks of a chunk to the target; `v` is the
+    /// source's answer for the chunk's (narrowed) range.
+    fn rb_copy(&mut self, i: usize, chunk: u64, v: Vec<(BlockTag, Option<Bytes>)>) {
+        let session = self.rebuilds[i].session;
+        let Some(c) = self.rebuilds[i].chunks.get_mut(&chunk) else {
             return;
         };
         if v.len() != c.blocks as usize {
             return self.rb_abort(session, "short data answer");
         }
+        let (layer, lba, diff) = (c.layer, c.lba, std::mem::take(&mut c.diff));
         let mut entries = Vec::with_capacity(v.len());
         let mut copied = 0;
         for (k, (t, d)) in v.into_iter().enumerate() {
-            if !c.diff[k] {
+            if !diff[k] {
                 entries.push(CopyEntry::Skip);
                 continue;
             }
@@ -323,25 +353,25 @@ impl Engine {
                     Some(d),
                 ) if d.len() == BLOCK_SIZE => CopyEntry::Data(tag, d),
                 (t, _) => {
-                    let b = c.lba + k as u64;
+                    let b = lba + k as u64;
                     let want = match t {
                         BlockTag::Present { tag, .. } => Some(tag),
                         BlockTag::Absent => None,
                     };
                     if let Some(tag) = want
-                        && self.lost.get(&(c.layer, b)) == Some(&tag)
+                        && self.lost.get(&(layer, b)) == Some(&tag)
                     {
                         // A repair already found no good copy of this
                         // write anywhere: record it as bad on the target
                         // too (never zeros, never an older copy) and go on.
-                        warn!(layer = c.layer, lba = b, %tag, "rebuild copies a lost block as bad");
+                        warn!(layer = layer, lba = b, %tag, "rebuild copies a lost block as bad");
                         CopyEntry::Bad(tag)
                     } else {
                         // Bad copy on the source: never copy it; repair the
                         // source from another replica and rebuild again.
                         self.rebuilds[i].incomplete = true;
                         let src = self.rebuilds[i].source;
-                        self.schedule_repair(src, c.layer, b, want);
+                        self.schedule_repair(src, layer, b, want);
                         CopyEntry::Skip
                     }
                 }
@@ -352,8 +382,8 @@ impl Engine {
         let req = Request::Copy {
             epoch: self.epoch,
             session,
-            layer: c.layer,
-            lba: c.lba,
+            layer,
+            lba,
             entries,
         };
         self.send(target, req, Ctx::RbCopy { session, chunk });

@@ -131,7 +131,8 @@ fn io(c: &mut Criterion) {
 }
 
 /// Rebuild of a replica replaced by an empty one: 64 MiB of data copied
-/// from a healthy replica on the next attach.
+/// from a healthy replica on the next attach (`SHEAF_BENCH_REBUILD_MIB`
+/// sets another amount; the volume is at least 4 times the data).
 ///
 /// The source is written once; each iteration replaces replica 1 with an
 /// empty store, starts fresh servers (the previous ones are stopped first:
@@ -150,14 +151,19 @@ fn rebuild(c: &mut Criterion) {
         .build()
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    const DATA: u64 = 64 << 20;
+    let mib: u64 = std::env::var("SHEAF_BENCH_REBUILD_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64);
+    let data = mib << 20;
+    let size = SIZE.max(data * 4);
     rt.block_on(async {
-        let (addrs, tasks) = servers_with_handles(dir.path(), 2, true).await;
+        let (addrs, tasks) = servers_with_handles(dir.path(), 2, true, size).await;
         let v = Volume::attach(VolumeConfig::remote(&addrs, secret()))
             .await
             .unwrap();
         let chunk = Bytes::from(vec![0xa5u8; 1 << 20]);
-        for i in 0..DATA >> 20 {
+        for i in 0..data >> 20 {
             v.write(i << 20, chunk.clone()).await.unwrap();
         }
         v.detach().await.unwrap();
@@ -167,14 +173,14 @@ fn rebuild(c: &mut Criterion) {
     g.sample_size(10)
         .measurement_time(Duration::from_secs(20))
         .warm_up_time(Duration::from_secs(1));
-    g.throughput(Throughput::Bytes(DATA));
-    g.bench_function("empty_replica_64MiB", |b| {
+    g.throughput(Throughput::Bytes(data));
+    g.bench_function(format!("empty_replica_{mib}MiB"), |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
                 total += rt.block_on(async {
-                    create_replacement_replica(dir.path().join("r1"), SIZE).unwrap();
-                    let (addrs, tasks) = servers_with_handles(dir.path(), 2, false).await;
+                    create_replacement_replica(dir.path().join("r1"), size).unwrap();
+                    let (addrs, tasks) = servers_with_handles(dir.path(), 2, false, size).await;
                     let t0 = Instant::now();
                     let v = Volume::attach(VolumeConfig::remote(&addrs, secret()))
                         .await
@@ -182,7 +188,7 @@ fn rebuild(c: &mut Criterion) {
                     loop {
                         let st = v.status().await.unwrap();
                         if st.active.len() == 2 && st.rebuilding.is_empty() {
-                            assert_eq!(st.blocks_copied, DATA / 4096, "{st:?}");
+                            assert_eq!(st.blocks_copied, data / 4096, "{st:?}");
                             break;
                         }
                         tokio::time::sleep(Duration::from_millis(1)).await;
@@ -203,13 +209,14 @@ async fn servers_with_handles(
     dir: &std::path::Path,
     n: usize,
     fresh: bool,
+    size: u64,
 ) -> (Vec<SocketAddr>, Vec<tokio::task::JoinHandle<()>>) {
     let mut addrs = Vec::new();
     let mut tasks = Vec::new();
     for i in 0..n {
         let p = dir.join(format!("r{i}"));
         if fresh {
-            create_replica(&p, SIZE).unwrap();
+            create_replica(&p, size).unwrap();
         }
         let rep = open_local_replica(&p).unwrap();
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

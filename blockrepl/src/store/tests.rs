@@ -421,3 +421,45 @@ fn wal_limit_checkpoints_survive_power_loss_as_a_prefix() {
         }
     }
 }
+
+#[test]
+fn large_reads_report_every_bad_block_of_a_run() {
+    // A 1 MiB run read with one call: a corrupt block anywhere in it is
+    // reported bad and zeroed, every other block reads back.
+    let d = SimDisk::new(3);
+    let mut s = new_store(&d, 512);
+    let n = 256u32;
+    let data: Vec<u8> = (0..n as usize * BLOCK_SIZE)
+        .map(|i| (i / BLOCK_SIZE) as u8 ^ 0x5a)
+        .collect();
+    s.write(Tag::new(1, 1), 0, n, Some(&data)).unwrap();
+    s.checkpoint().unwrap();
+    let mut out = vec![0u8; data.len()];
+    assert!(s.read(0, n, &mut out).unwrap().is_empty());
+    assert_eq!(out, data);
+    // Flip a bit in one block of each half of the run.
+    let mut f = d.open("layer-1.data", false).unwrap();
+    let mut b = blk(0);
+    for lba in [10u64, 200] {
+        f.read_at(&mut b, lba * 4096).unwrap();
+        b[7] ^= 1;
+        f.write_at(&b, lba * 4096).unwrap();
+    }
+    for _ in 0..3 {
+        let mut out = vec![1u8; data.len()];
+        let bad = s.read(0, n, &mut out).unwrap();
+        assert_eq!(bad, vec![(10, 1), (200, 1)]);
+        for b in 0..n as usize {
+            let got = &out[b * BLOCK_SIZE..(b + 1) * BLOCK_SIZE];
+            if b == 10 || b == 200 {
+                assert!(got.iter().all(|&x| x == 0), "bad block {b} returned data");
+            } else {
+                assert_eq!(
+                    got,
+                    &data[b * BLOCK_SIZE..(b + 1) * BLOCK_SIZE],
+                    "block {b}"
+                );
+            }
+        }
+    }
+}

@@ -11,7 +11,7 @@
 use tracing::{debug, warn};
 
 use crate::error::Error;
-use crate::proto::msg::{CopyEntry, Op, Refusal, Request, Response};
+use crate::proto::msg::{CopyEntry, MAX_IO_BLOCKS, Op, Refusal, Request, Response};
 use crate::store::disk::StoreDir;
 use crate::store::{SetBlock, Store};
 use crate::types::{BLOCK_SIZE, BlockTag, ReplicaState, Tag};
@@ -273,12 +273,18 @@ impl ReplicaCore {
                 if self.session != Some(session) {
                     return refused(Refusal::Invalid("no such rebuild session".into()));
                 }
+                // Consecutive blocks to set that are copies of one write
+                // (a large write leaves runs of them) go to the WAL as one
+                // record. Each block's decision only depends on its own
+                // entry, so deferring the run's store update is equivalent.
+                let mut run: Option<(u64, Tag, Vec<u8>)> = None;
                 for (i, ent) in entries.iter().enumerate() {
                     let b = lba + i as u64;
                     let cur = store.entry(layer, b);
                     let live = cur.is_some_and(|(t, _, _)| {
                         t.epoch == epoch && t.index > self.rebuild_start.index
                     });
+                    let mut to_run = None;
                     let res = match ent {
                         CopyEntry::Skip => Ok(()),
                         CopyEntry::Bad(t) => {
@@ -307,6 +313,10 @@ impl ReplicaCore {
                             });
                             if (!live || newer) && !same {
                                 match ent {
+                                    CopyEntry::Data(t, d) if d.len() == BLOCK_SIZE => {
+                                        to_run = Some((*t, d));
+                                        Ok(())
+                                    }
                                     CopyEntry::Data(t, d) => {
                                         store.set_block(layer, b, SetBlock::Data(*t, d))
                                     }
@@ -317,6 +327,28 @@ impl ReplicaCore {
                             }
                         }
                     };
+                    // Flush the pending run before anything that does not
+                    // extend it (other records stay in block order).
+                    let res = res.and_then(|()| {
+                        let extends = matches!(
+                            (&run, to_run),
+                            (Some((start, rt, buf)), Some((t, _)))
+                                if *rt == t
+                                    && *start + (buf.len() / BLOCK_SIZE) as u64 == b
+                                    && buf.len() / BLOCK_SIZE < MAX_IO_BLOCKS
+                        );
+                        if !extends && let Some((start, rt, buf)) = run.take() {
+                            store.set_blocks_data(layer, start, rt, &buf)?;
+                        }
+                        if let Some((t, d)) = to_run {
+                            run.get_or_insert_with(|| {
+                                (b, t, Vec::with_capacity(entries.len() * BLOCK_SIZE))
+                            })
+                            .2
+                            .extend_from_slice(d);
+                        }
+                        Ok(())
+                    });
                     if let Err(e) = res {
                         return match e {
                             Error::InvalidArgument(_) | Error::OutOfRange { .. } => {
@@ -325,6 +357,16 @@ impl ReplicaCore {
                             e => self.fault(&e),
                         };
                     }
+                }
+                if let Some((start, rt, buf)) = run.take()
+                    && let Err(e) = store.set_blocks_data(layer, start, rt, &buf)
+                {
+                    return match e {
+                        Error::InvalidArgument(_) | Error::OutOfRange { .. } => {
+                            refused(Refusal::Invalid(e.to_string()))
+                        }
+                        e => self.fault(&e),
+                    };
                 }
                 Response::Ack(store.position())
             }

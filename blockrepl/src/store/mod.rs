@@ -574,6 +574,31 @@ impl Store {
         self.append(h, data)
     }
 
+    /// Sets `data.len() / 4096` consecutive blocks of a layer, all copies of
+    /// the write `tag`, as one WAL record (rebuild copy of a run of blocks
+    /// one write left). Same effect as [`Store::set_block`] per block; one
+    /// header, one WAL write and one contiguous checkpoint copy for the run.
+    pub fn set_blocks_data(&mut self, layer: u64, lba: u64, tag: Tag, data: &[u8]) -> Result<()> {
+        let n = data.len() / BLOCK_SIZE;
+        if n == 0 || !data.len().is_multiple_of(BLOCK_SIZE) || n > crate::proto::msg::MAX_IO_BLOCKS
+        {
+            return Err(Error::InvalidArgument("data length mismatch".into()));
+        }
+        self.check_range(lba, n as u64)?;
+        if self.layer_index(layer).is_none() {
+            return Err(Error::InvalidArgument(format!("no layer {layer}")));
+        }
+        let h = WalHeader {
+            kind: WalKind::SetData,
+            wal_gen: self.sb.wal_gen,
+            layer,
+            tag,
+            lba,
+            nblocks: n as u32,
+        };
+        self.append(h, data)
+    }
+
     /// Records the copy of `lba` in `layer` as a known bad copy of the write
     /// `tag` (rebuild of a block that has no good copy anywhere): reads of
     /// it fail, its tag is kept so a copy of the same write can repair it.

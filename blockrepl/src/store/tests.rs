@@ -463,3 +463,40 @@ fn large_reads_report_every_bad_block_of_a_run() {
         }
     }
 }
+
+#[test]
+fn set_blocks_data_run_replays_and_checkpoints() {
+    let d = SimDisk::new(9);
+    let mut s = new_store(&d, 16);
+    let t = Tag::new(1, 5);
+    let run = [blk(1), blk(2), blk(3)].concat();
+    s.set_blocks_data(1, 4, t, &run).unwrap();
+    assert!(matches!(
+        s.set_blocks_data(1, 14, t, &run),
+        Err(Error::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        s.set_blocks_data(1, 0, t, &run[..100]),
+        Err(Error::InvalidArgument(_))
+    ));
+    for (i, v) in [1u8, 2, 3].into_iter().enumerate() {
+        assert_eq!(read1(&s, 4 + i as u64), (blk(v), true));
+        assert_eq!(s.entry(1, 4 + i as u64), Some((t, false, true)));
+    }
+    assert_eq!(s.position(), Tag::default(), "does not move the position");
+    s.flush().unwrap();
+    // Replayed from the WAL, then from the layer files after a checkpoint.
+    let mut s = Store::open(Box::new(d.clone())).unwrap();
+    for (i, v) in [1u8, 2, 3].into_iter().enumerate() {
+        assert_eq!(read1(&s, 4 + i as u64), (blk(v), true));
+        assert_eq!(s.entry(1, 4 + i as u64), Some((t, false, true)));
+    }
+    s.checkpoint().unwrap();
+    drop(s);
+    let s = Store::open(Box::new(d.clone())).unwrap();
+    for (i, v) in [1u8, 2, 3].into_iter().enumerate() {
+        assert_eq!(read1(&s, 4 + i as u64), (blk(v), true));
+        assert_eq!(s.entry(1, 4 + i as u64), Some((t, false, true)));
+    }
+    assert_eq!(read1(&s, 7), (blk(0), true));
+}

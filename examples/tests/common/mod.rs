@@ -33,12 +33,12 @@ impl Drop for Cluster {
 
 /// Runs `sheaf --data-dir DIR ARGS`: (success, stdout + stderr).
 pub fn sheaf(dir: &Path, args: &[&str]) -> (bool, String) {
-    let o = Command::new(SHEAF)
-        .arg("--data-dir")
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
+    run(Command::new(SHEAF).arg("--data-dir").arg(dir).args(args))
+}
+
+/// Runs `cmd` to completion: (success, stdout + stderr).
+fn run(cmd: &mut Command) -> (bool, String) {
+    let o = cmd.output().unwrap();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
@@ -56,18 +56,11 @@ pub fn ok(dir: &Path, args: &[&str]) -> String {
 
 /// Runs real kubectl with the cluster's admin kubeconfig, asserting success.
 pub fn kubectl(dir: &Path, args: &[&str]) -> String {
-    let o = Command::new("kubectl")
+    let (good, text) = run(Command::new("kubectl")
         .arg("--kubeconfig")
         .arg(dir.join("admin.kubeconfig"))
-        .args(args)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    assert!(o.status.success(), "kubectl {args:?} failed:\n{text}");
+        .args(args));
+    assert!(good, "kubectl {args:?} failed:\n{text}");
     text
 }
 

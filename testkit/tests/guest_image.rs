@@ -102,7 +102,12 @@ fn timeout_kills_qemu() {
     if sheaf_testkit::skip_slow("timeout_kills_qemu") {
         return;
     }
-    let image = GuestImage::build().unwrap();
+    // The guest never finishes on its own: a fast host boots the default
+    // script in under two seconds, so the hang must come from the script.
+    let image = GuestImage::builder()
+        .script("#!/bin/sh\necho \"SHEAF-GUEST: hanging\"\nwhile :; do sleep 1; done\n")
+        .build()
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let disk = dir.path().join("timeout-probe.img");
     guest::create_disk(&disk, 1 << 20, "x").unwrap();

@@ -10,7 +10,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use sheaf_blockrepl::frontend::Disk;
-use sheaf_blockrepl::frontend::nbd::{Export, NbdConfig, NbdServer};
+use sheaf_blockrepl::frontend::nbd::{Export, NbdConfig, NbdServer, NbdStats};
 use sheaf_blockrepl::net::Secret;
 use sheaf_blockrepl::net::server::serve;
 use sheaf_blockrepl::volume::{Volume, VolumeConfig, create_replica, open_local_replica};
@@ -189,6 +189,21 @@ impl NbdFixture {
 
     pub fn uri(&self) -> String {
         uri(&self.sock, "vol0")
+    }
+
+    /// Waits (up to 10 s) until at most `open` connections are active and
+    /// returns the counters then: a closed connection's counters are final
+    /// once `active` no longer counts it, which can be just after its client
+    /// saw the close.
+    pub fn stats_once_active_at_most(&self, open: u64) -> NbdStats {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let st = self.server.stats();
+            if st.active <= open || std::time::Instant::now() > deadline {
+                return st;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Reads through the volume handle (not through NBD).

@@ -123,7 +123,9 @@ impl Export {
 pub struct NbdStats {
     /// Connections accepted.
     pub connections: u64,
-    /// Connections now open.
+    /// Connections now open. A closed connection's effect on the other
+    /// counters is visible once it no longer counts here (a client can see
+    /// the close slightly earlier).
     pub active: u64,
     /// Connections that reached transmission.
     pub sessions: u64,
@@ -249,7 +251,7 @@ impl NbdServer {
         let c = &self.inner.counters;
         NbdStats {
             connections: c.connections.load(Ordering::Relaxed),
-            active: c.active.load(Ordering::Relaxed),
+            active: c.active.load(Ordering::Acquire),
             sessions: c.sessions.load(Ordering::Relaxed),
             protocol_errors: c.protocol_errors.load(Ordering::Relaxed),
             requests: c.requests.load(Ordering::Relaxed),
@@ -311,10 +313,13 @@ impl NbdServer {
         c.connections.fetch_add(1, Ordering::Relaxed);
         c.active.fetch_add(1, Ordering::Relaxed);
         let r = self.connection(Box::pin(sock)).await;
-        c.active.fetch_sub(1, Ordering::Relaxed);
+        // The client may see the close before these run; a connection's
+        // counters are final once `active` no longer counts it, so `active`
+        // drops last (Release pairs with the Acquire in `stats`).
         if matches!(r, Err(NbdError::Protocol(_))) {
             c.protocol_errors.fetch_add(1, Ordering::Relaxed);
         }
+        c.active.fetch_sub(1, Ordering::Release);
         r
     }
 

@@ -3,7 +3,7 @@
 //! entries and write-ahead-log records. Every structure carries a CRC32C and
 //! every decoder returns `None` (never panics) on bad input.
 
-use crate::types::{LayerInfo, MAX_LAYERS, MAX_NAME_LEN, ReplicaState, Tag};
+use crate::types::{BlockChecksum, LayerInfo, MAX_LAYERS, MAX_NAME_LEN, ReplicaState, Tag};
 
 /// Size of one superblock slot; the superblock file holds two.
 pub const SB_SLOT: usize = 4096;
@@ -39,10 +39,58 @@ pub struct Superblock {
     /// The node lost its page cache while `open`: the replica may lack
     /// writes it acknowledged. Cleared when an engine adopts or rebuilds it.
     pub recovered: bool,
+    /// Per-block checksum algorithm, fixed when the store is created.
+    /// SHA-256 is encoded as before the field existed (no flag, no byte),
+    /// so such stores stay readable by older versions.
+    pub checksum: BlockChecksum,
 }
 
 const SB_OPEN: u8 = 1;
 const SB_RECOVERED: u8 = 2;
+/// A checksum algorithm code byte follows the flags. Versions before it
+/// reject the unknown flag, so they refuse (instead of failing every
+/// block's checksum) a store that does not use SHA-256.
+const SB_CHECKSUM: u8 = 4;
+const SB_KNOWN: u8 = SB_OPEN | SB_RECOVERED | SB_CHECKSUM;
+
+/// Why a superblock slot was not decoded.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SbError {
+    /// Not a superblock (bad magic or CRC, truncated, bad field).
+    #[error("not a valid superblock slot")]
+    Invalid,
+    /// An intact superblock this version cannot use: a newer feature flag.
+    #[error(
+        "superblock generation {generation} has unknown feature flags {flags:#04x} (written by a newer version?)"
+    )]
+    UnknownFlags {
+        /// Generation of the slot.
+        generation: u64,
+        /// The unknown flag bits.
+        flags: u8,
+    },
+    /// An intact superblock naming a checksum algorithm this version lacks.
+    #[error(
+        "superblock generation {generation} names unknown block checksum algorithm {code} (written by a newer version?)"
+    )]
+    UnknownChecksum {
+        /// Generation of the slot.
+        generation: u64,
+        /// The algorithm code.
+        code: u8,
+    },
+}
+
+impl SbError {
+    /// Generation of an intact but unusable slot (`None` for invalid ones).
+    pub fn generation(&self) -> Option<u64> {
+        match self {
+            SbError::Invalid => None,
+            SbError::UnknownFlags { generation, .. }
+            | SbError::UnknownChecksum { generation, .. } => Some(*generation),
+        }
+    }
+}
 
 struct W<'a> {
     buf: &'a mut [u8],
@@ -126,17 +174,27 @@ impl Superblock {
                 w.put(name)?;
             }
             w.u64(self.boot_id)?;
-            let flags =
-                if self.open { SB_OPEN } else { 0 } | if self.recovered { SB_RECOVERED } else { 0 };
+            let legacy = self.checksum == BlockChecksum::Sha256;
+            let flags = if self.open { SB_OPEN } else { 0 }
+                | if self.recovered { SB_RECOVERED } else { 0 }
+                | if legacy { 0 } else { SB_CHECKSUM };
             w.put(&[flags])?;
+            if !legacy {
+                w.put(&[self.checksum.code()])?;
+            }
         }
         let crc = crc32c::crc32c(&buf[12..]);
         buf[8..12].copy_from_slice(&crc.to_le_bytes());
         Some(buf)
     }
 
-    /// Decodes one slot; `None` if it is not a valid superblock.
-    pub fn decode(buf: &[u8]) -> Option<Superblock> {
+    /// Decodes one slot: [`SbError::Invalid`] if it is not a valid
+    /// superblock, another error if it is intact but needs a newer version.
+    pub fn decode(buf: &[u8]) -> Result<Superblock, SbError> {
+        Self::decode_inner(buf).ok_or(SbError::Invalid)?
+    }
+
+    fn decode_inner(buf: &[u8]) -> Option<Result<Superblock, SbError>> {
         if buf.len() != SB_SLOT || &buf[..8] != SB_MAGIC {
             return None;
         }
@@ -169,10 +227,22 @@ impl Superblock {
         }
         let boot_id = r.u64()?;
         let flags = r.u8()?;
-        if flags & !(SB_OPEN | SB_RECOVERED) != 0 {
-            return None;
+        if flags & !SB_KNOWN != 0 {
+            return Some(Err(SbError::UnknownFlags {
+                generation,
+                flags: flags & !SB_KNOWN,
+            }));
         }
-        Some(Superblock {
+        let checksum = if flags & SB_CHECKSUM != 0 {
+            let code = r.u8()?;
+            match BlockChecksum::from_code(code) {
+                Some(c) => c,
+                None => return Some(Err(SbError::UnknownChecksum { generation, code })),
+            }
+        } else {
+            BlockChecksum::Sha256
+        };
+        Some(Ok(Superblock {
             generation,
             size_blocks,
             epoch,
@@ -184,7 +254,8 @@ impl Superblock {
             boot_id,
             open: flags & SB_OPEN != 0,
             recovered: flags & SB_RECOVERED != 0,
-        })
+            checksum,
+        }))
     }
 }
 
@@ -211,7 +282,7 @@ const META_KNOWN: u32 = META_PRESENT | META_ZERO | META_DAMAGED;
 pub struct BlockMeta {
     /// Write that produced the block.
     pub tag: Tag,
-    /// `block_crc(lba, data)`, 0 for zero blocks.
+    /// The store's [`BlockChecksum`] of `(lba, data)`, 0 for zero blocks.
     pub crc: u32,
     /// `META_*` flags.
     pub flags: u32,
@@ -442,16 +513,81 @@ mod tests {
             boot_id: 0xdead_beef,
             open: true,
             recovered: true,
+            checksum: BlockChecksum::Xxh3,
         }
     }
 
     #[test]
     fn superblock_roundtrip_and_corruption() {
+        for checksum in [BlockChecksum::Sha256, BlockChecksum::Xxh3] {
+            let s = Superblock { checksum, ..sb() };
+            let mut b = s.encode().unwrap();
+            assert_eq!(Superblock::decode(&b), Ok(s));
+            b[100] ^= 1;
+            assert_eq!(Superblock::decode(&b), Err(SbError::Invalid));
+        }
+    }
+
+    /// Offset of the flags byte of `sb()` in a slot.
+    fn flags_at(s: &Superblock) -> usize {
+        let names: usize = s.layers.iter().map(|l| 25 + l.name.len()).sum();
+        12 + 8 * 4 + 1 + 8 * 3 + 1 + names + 8
+    }
+
+    fn reseal(b: &mut [u8]) {
+        let crc = crc32c::crc32c(&b[12..]);
+        b[8..12].copy_from_slice(&crc.to_le_bytes());
+    }
+
+    #[test]
+    fn sha256_superblock_is_encoded_as_before_the_checksum_field() {
+        let s = Superblock {
+            checksum: BlockChecksum::Sha256,
+            ..sb()
+        };
+        let b = s.encode().unwrap();
+        let f = flags_at(&s);
+        assert_eq!(b[f], SB_OPEN | SB_RECOVERED);
+        assert!(b[f + 1..].iter().all(|&x| x == 0));
+        let x = Superblock {
+            checksum: BlockChecksum::Xxh3,
+            ..sb()
+        }
+        .encode()
+        .unwrap();
+        assert_eq!(x[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM);
+        assert_eq!(x[f + 1], BlockChecksum::Xxh3.code());
+    }
+
+    #[test]
+    fn unknown_checksum_or_flags_are_errors_that_name_them() {
         let s = sb();
+        let f = flags_at(&s);
         let mut b = s.encode().unwrap();
-        assert_eq!(Superblock::decode(&b), Some(s));
-        b[100] ^= 1;
-        assert_eq!(Superblock::decode(&b), None);
+        b[f + 1] = 9;
+        reseal(&mut b);
+        let e = Superblock::decode(&b).unwrap_err();
+        assert_eq!(
+            e,
+            SbError::UnknownChecksum {
+                generation: 7,
+                code: 9
+            }
+        );
+        assert!(e.to_string().contains("algorithm 9"), "{e}");
+        let mut b = s.encode().unwrap();
+        b[f] |= 0x40;
+        reseal(&mut b);
+        let e = Superblock::decode(&b).unwrap_err();
+        assert_eq!(
+            e,
+            SbError::UnknownFlags {
+                generation: 7,
+                flags: 0x40
+            }
+        );
+        assert_eq!(e.generation(), Some(7));
+        assert!(e.to_string().contains("0x40"), "{e}");
     }
 
     #[test]

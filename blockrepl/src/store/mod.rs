@@ -30,13 +30,13 @@ use tracing::{debug, warn};
 
 use crate::error::{Error, Result};
 use crate::types::{
-    BLOCK_SIZE, BLOCK_SIZE_U64, BlockTag, LayerInfo, MAX_LAYERS, MAX_NAME_LEN, ReplicaInfo,
-    ReplicaState, Tag, block_crc,
+    BLOCK_SIZE, BLOCK_SIZE_U64, BlockChecksum, BlockTag, LayerInfo, MAX_LAYERS, MAX_NAME_LEN,
+    ReplicaInfo, ReplicaState, Tag,
 };
 use disk::{StoreDir, StoreFile};
 use format::{
-    BlockMeta, META_DAMAGED, META_PRESENT, META_SIZE, META_ZERO, SB_SLOT, Superblock, WAL_HDR,
-    WalHeader, WalKind,
+    BlockMeta, META_DAMAGED, META_PRESENT, META_SIZE, META_ZERO, SB_SLOT, SbError, Superblock,
+    WAL_HDR, WalHeader, WalKind,
 };
 
 const SB_NAME: &str = "superblock";
@@ -158,8 +158,20 @@ impl Store {
     /// Creates an empty store of `size_blocks` blocks in `dir`, replacing any
     /// store there. The new replica is `Rebuilding` at position 0:0 until an
     /// engine either adopts it as the first copy of a new volume (see
-    /// [`Store::mark_clean`]) or rebuilds it.
+    /// [`Store::mark_clean`]) or rebuilds it. Blocks are checksummed with
+    /// [`BlockChecksum::NEW`].
     pub fn create(dir: Box<dyn StoreDir>, size_blocks: u64, state: ReplicaState) -> Result<Store> {
+        Self::create_with_checksum(dir, size_blocks, state, BlockChecksum::NEW)
+    }
+
+    /// [`Store::create`] with a given block checksum algorithm (tests, and
+    /// stores that older versions must be able to open: [`BlockChecksum::Sha256`]).
+    pub fn create_with_checksum(
+        dir: Box<dyn StoreDir>,
+        size_blocks: u64,
+        state: ReplicaState,
+        checksum: BlockChecksum,
+    ) -> Result<Store> {
         for name in dir.list().map_err(Error::store("list"))? {
             if name == SB_NAME || name == WAL_NAME || name.starts_with("layer-") {
                 dir.remove(&name).map_err(Error::store("remove"))?;
@@ -182,6 +194,7 @@ impl Store {
             boot_id: dir.boot_id(),
             open: false,
             recovered: false,
+            checksum,
         };
         let mut sb_file = dir.open(SB_NAME, true).map_err(Error::store("create"))?;
         sb_file
@@ -211,19 +224,32 @@ impl Store {
     /// the WAL and checkpoints.
     pub fn open(dir: Box<dyn StoreDir>) -> Result<Store> {
         let sb_file = dir.open(SB_NAME, false).map_err(Error::store("open"))?;
-        let mut best: Option<Superblock> = None;
+        // The intact slot with the highest generation wins, also when this
+        // version cannot use it (never fall back to an older state then).
+        let mut best: Option<(u64, std::result::Result<Superblock, SbError>)> = None;
         for slot in 0..2u64 {
             let mut buf = vec![0u8; SB_SLOT];
             if sb_file.read_at(&mut buf, slot * SB_SLOT as u64).is_err() {
                 continue;
             }
-            if let Some(sb) = Superblock::decode(&buf)
-                && best.as_ref().is_none_or(|b| sb.generation > b.generation)
-            {
-                best = Some(sb);
+            let res = Superblock::decode(&buf);
+            let generation = match &res {
+                Ok(sb) => sb.generation,
+                Err(e) => match e.generation() {
+                    Some(g) => g,
+                    None => continue,
+                },
+            };
+            if best.as_ref().is_none_or(|(g, _)| generation > *g) {
+                best = Some((generation, res));
             }
         }
-        let mut sb = best.ok_or_else(|| Error::Corrupt("no valid superblock slot".into()))?;
+        let mut sb = match best {
+            None => return Err(Error::Corrupt("no valid superblock slot".into())),
+            Some((_, Err(e))) => return Err(Error::Corrupt(e.to_string())),
+            Some((_, Ok(sb))) => sb,
+        };
+        debug!(checksum = sb.checksum.name(), "store opened");
         let boot = dir.boot_id();
         if sb.boot_id != boot {
             if sb.open && sb.state == ReplicaState::Clean && !sb.recovered {
@@ -384,7 +410,7 @@ impl Store {
                     Some(Entry {
                         meta: BlockMeta {
                             tag: h.tag,
-                            crc: block_crc(lba, chunk),
+                            crc: self.sb.checksum.block(lba, chunk),
                             flags: META_PRESENT,
                         },
                         loc: Loc::Wal(off + WAL_HDR as u64 + i * BLOCK_SIZE_U64),
@@ -467,6 +493,11 @@ impl Store {
             layers: self.sb.layers.clone(),
             recovered: self.sb.recovered && self.sb.state == ReplicaState::Clean,
         }
+    }
+
+    /// The store's per-block checksum algorithm.
+    pub fn checksum(&self) -> BlockChecksum {
+        self.sb.checksum
     }
 
     /// Live position: tag of the last ordered operation applied.
@@ -651,7 +682,7 @@ impl Store {
             Loc::Layer => self.layers[li].data.read_at(out, lba * BLOCK_SIZE_U64),
             Loc::Wal(off) => self.wal.read_at(out, off),
         };
-        res.is_ok() && block_crc(lba, out) == e.meta.crc
+        res.is_ok() && self.sb.checksum.block(lba, out) == e.meta.crc
     }
 
     /// Reads `nblocks` blocks at `lba` through the layer chain into `out`.
@@ -738,7 +769,7 @@ impl Store {
             let b = lba + i as u64;
             let buf = &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
             let ok = (whole || file.read_at(buf, run.off + (k * BLOCK_SIZE) as u64).is_ok())
-                && block_crc(b, buf) == crc;
+                && self.sb.checksum.block(b, buf) == crc;
             if !ok {
                 buf.fill(0);
                 bad.push((b, layer_id));
@@ -1246,7 +1277,7 @@ impl Store {
                 Ok(Some(m)) if m.is_zero() => true,
                 Ok(Some(m)) => {
                     l.data.read_at(&mut buf, lba * BLOCK_SIZE_U64).is_ok()
-                        && block_crc(lba, &buf) == m.crc
+                        && self.sb.checksum.block(lba, &buf) == m.crc
                 }
                 Err(()) => false,
             }
@@ -1264,12 +1295,12 @@ impl Store {
             Loc::Layer => self.layers[li]
                 .data
                 .read_at(&mut buf, lba * BLOCK_SIZE_U64)
-                .map(|_| block_crc(lba, &buf))
+                .map(|_| self.sb.checksum.block(lba, &buf))
                 .ok(),
             Loc::Wal(off) => self
                 .wal
                 .read_at(&mut buf, off)
-                .map(|_| block_crc(lba, &buf))
+                .map(|_| self.sb.checksum.block(lba, &buf))
                 .ok(),
             Loc::Damaged => None,
         });

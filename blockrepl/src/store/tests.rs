@@ -130,7 +130,7 @@ fn torn_superblock_falls_back_to_the_other_slot() {
     let mut best = (0u64, 0u64);
     for slot in 0..2u64 {
         f.read_at(&mut b, slot * 4096).unwrap();
-        if let Some(sb) = Superblock::decode(&b)
+        if let Ok(sb) = Superblock::decode(&b)
             && sb.generation > best.0
         {
             best = (sb.generation, slot);
@@ -499,4 +499,224 @@ fn set_blocks_data_run_replays_and_checkpoints() {
         assert_eq!(s.entry(1, 4 + i as u64), Some((t, false, true)));
     }
     assert_eq!(read1(&s, 7), (blk(0), true));
+}
+
+/// Content of block `lba` in the SHA-256 (pre-XXH3) store fixture.
+fn fixture_value(lba: u64, n: u64) -> Vec<u8> {
+    let mut b = vec![0u8; BLOCK_SIZE];
+    b[..8].copy_from_slice(&lba.to_le_bytes());
+    b[8..16].copy_from_slice(&n.to_le_bytes());
+    b[16..].fill((lba * 31 + n) as u8);
+    b
+}
+
+/// Copies the store fixture `testdata/sha256-store` into a temporary
+/// directory. It was written by the store before the checksum field existed
+/// (commit 76f8fd1, SHA-256 checksums): `Store::create(.., 16, Rebuilding)`,
+/// `set_epoch(1, 7)`, `mark_clean`; write 1:1 of `fixture_value(b, 1)` to
+/// blocks 0..4, snapshot 1:2 "base" (new head 2), write 1:3 to blocks 2..6,
+/// `checkpoint`; write 1:4 to blocks 8..10 and zero write 1:5 to block 12,
+/// `flush` (the last two are only in the WAL).
+fn sha256_fixture() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/store/testdata/sha256-store");
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.path().join(e.file_name())).unwrap();
+    }
+    dir
+}
+
+fn fixture_expected(lba: u64) -> Vec<u8> {
+    match lba {
+        0..2 => fixture_value(lba, 1),
+        2..6 => fixture_value(lba, 3),
+        8..10 => fixture_value(lba, 4),
+        _ => blk(0),
+    }
+}
+
+fn read_all(s: &Store) -> (Vec<u8>, Vec<(u64, u64)>) {
+    let n = s.size_blocks();
+    let mut out = vec![0u8; n as usize * BLOCK_SIZE];
+    let bad = s.read(0, n as u32, &mut out).unwrap();
+    (out, bad)
+}
+
+#[test]
+fn sha256_store_from_before_the_checksum_field_opens_verifies_and_detects_corruption() {
+    let dir = sha256_fixture();
+    let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+    let mut s = Store::open(mk()).unwrap();
+    assert_eq!(s.checksum(), BlockChecksum::Sha256);
+    assert_eq!(s.position(), Tag::new(1, 5));
+    assert_eq!(s.info().epoch, 1);
+    assert_eq!(s.layer_ids(), vec![1, 2]);
+    let (out, bad) = read_all(&s);
+    assert!(bad.is_empty(), "{bad:?}");
+    for b in 0..16u64 {
+        let i = b as usize * BLOCK_SIZE;
+        assert_eq!(
+            &out[i..i + BLOCK_SIZE],
+            &fixture_expected(b)[..],
+            "block {b}"
+        );
+    }
+    // The snapshot layer still holds the first write of blocks 2 and 3.
+    let snap = s.read_layer(1, 2, 1, true).unwrap();
+    assert_eq!(snap[0].1.as_deref(), Some(&fixture_value(2, 1)[..]));
+    // New writes keep the store's algorithm, also across a reopen.
+    s.write(Tag::new(1, 6), 14, 1, Some(&fixture_value(14, 6)))
+        .unwrap();
+    s.close().unwrap();
+    drop(s);
+    let s = Store::open(mk()).unwrap();
+    assert_eq!(s.checksum(), BlockChecksum::Sha256);
+    assert_eq!(read1(&s, 14), (fixture_value(14, 6), true));
+    // The superblock is still the old encoding: no checksum flag.
+    let sb = std::fs::read(dir.path().join("superblock")).unwrap();
+    for slot in sb.chunks(SB_SLOT) {
+        assert_eq!(
+            Superblock::decode(slot).unwrap().checksum,
+            BlockChecksum::Sha256
+        );
+    }
+    drop(s);
+    // A flipped bit in block 3 (head layer file) is caught, and the block
+    // is never returned as data.
+    let data = dir.path().join("layer-2.data");
+    let mut bytes = std::fs::read(&data).unwrap();
+    bytes[3 * BLOCK_SIZE + 100] ^= 0x20;
+    std::fs::write(&data, bytes).unwrap();
+    let s = Store::open(mk()).unwrap();
+    let (out, bad) = read_all(&s);
+    assert_eq!(bad, vec![(3, 2)]);
+    assert!(out[3 * BLOCK_SIZE..4 * BLOCK_SIZE].iter().all(|&x| x == 0));
+    assert_eq!(read1(&s, 2), (fixture_value(2, 3), true));
+}
+
+#[test]
+fn new_store_uses_xxh3_and_detects_corruption_and_misdirected_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+    let mut s = Store::create(mk(), 16, ReplicaState::Clean).unwrap();
+    assert_eq!(s.checksum(), BlockChecksum::Xxh3);
+    let data: Vec<u8> = (0..4).flat_map(|b| fixture_value(b, 1)).collect();
+    s.write(Tag::new(1, 1), 0, 4, Some(&data)).unwrap();
+    s.write(Tag::new(1, 2), 8, 1, Some(&fixture_value(8, 2)))
+        .unwrap();
+    s.close().unwrap();
+    drop(s);
+    let s = Store::open(mk()).unwrap();
+    assert_eq!(s.checksum(), BlockChecksum::Xxh3);
+    assert!(read_all(&s).1.is_empty());
+    // The metadata holds XXH3 checksums (not SHA-256 ones).
+    let meta = std::fs::read(dir.path().join("layer-1.meta")).unwrap();
+    let m = BlockMeta::decode(&meta[META_SIZE..2 * META_SIZE])
+        .unwrap()
+        .unwrap();
+    assert_eq!(m.crc, BlockChecksum::Xxh3.block(1, &fixture_value(1, 1)));
+    assert_ne!(m.crc, BlockChecksum::Sha256.block(1, &fixture_value(1, 1)));
+    drop(s);
+    let path = dir.path().join("layer-1.data");
+    let mut bytes = std::fs::read(&path).unwrap();
+    // A bit flip in block 0.
+    bytes[7] ^= 1;
+    // A misdirected write: block 8's content (checksummed for address 8)
+    // lands at block 2.
+    let b8 = bytes[8 * BLOCK_SIZE..9 * BLOCK_SIZE].to_vec();
+    bytes[2 * BLOCK_SIZE..3 * BLOCK_SIZE].copy_from_slice(&b8);
+    std::fs::write(&path, bytes).unwrap();
+    let s = Store::open(mk()).unwrap();
+    let (out, bad) = read_all(&s);
+    assert_eq!(bad, vec![(0, 1), (2, 1)]);
+    assert!(out[..BLOCK_SIZE].iter().all(|&x| x == 0));
+    assert_eq!(read1(&s, 1), (fixture_value(1, 1), true));
+    assert_eq!(read1(&s, 8), (fixture_value(8, 2), true));
+    // The same when a copy of the metadata entry moves with the data (the
+    // address is what is checked: a block is only valid where it was put).
+    assert_eq!(
+        s.read_layer(1, 2, 1, true).unwrap()[0].0,
+        BlockTag::Present {
+            tag: Tag::new(1, 1),
+            zero: false,
+            valid: false
+        }
+    );
+    for c in [BlockChecksum::Sha256, BlockChecksum::Xxh3] {
+        let v = fixture_value(8, 2);
+        assert_ne!(c.block(8, &v), c.block(2, &v), "{c:?}");
+    }
+}
+
+/// A block that ends with a CRC32C of the rest, like the simulator's
+/// values, ext4 metadata_csum blocks or btrfs headers.
+fn self_checksummed(fill: u8, seq: u64) -> Vec<u8> {
+    let mut b = vec![fill; BLOCK_SIZE];
+    b[..8].copy_from_slice(&seq.to_le_bytes());
+    let c = crc32c::crc32c(&b[..BLOCK_SIZE - 4]);
+    b[BLOCK_SIZE - 4..].copy_from_slice(&c.to_le_bytes());
+    b
+}
+
+#[test]
+fn self_checksummed_blocks_at_one_address_get_different_checksums() {
+    let a = self_checksummed(0x11, 1);
+    let b = self_checksummed(0x22, 2);
+    // Why not CRC32C (seed 787): CRC32C over (address, data) is the same
+    // for every such block at an address.
+    let crc = |lba: u64, d: &[u8]| crc32c::crc32c_append(crc32c::crc32c(&lba.to_le_bytes()), d);
+    assert_eq!(crc(5, &a), crc(5, &b));
+    for c in [BlockChecksum::Sha256, BlockChecksum::Xxh3] {
+        for lba in [0u64, 5, 1 << 40] {
+            assert_ne!(c.block(lba, &a), c.block(lba, &b), "{c:?} lba {lba}");
+        }
+        let mut seen = std::collections::HashSet::new();
+        for seq in 0..1000u64 {
+            seen.insert(c.block(5, &self_checksummed(seq as u8, seq)));
+        }
+        assert!(seen.len() >= 999, "{c:?}: {} distinct", seen.len());
+    }
+    // And in a store: a stale self-checksummed copy does not verify.
+    let d = SimDisk::new(11);
+    let mut s = new_store(&d, 8);
+    s.write(Tag::new(1, 1), 5, 1, Some(&a)).unwrap();
+    s.checkpoint().unwrap();
+    let mut f = d.open("layer-1.data", false).unwrap();
+    f.write_at(&b, 5 * BLOCK_SIZE as u64).unwrap();
+    f.sync().unwrap();
+    let s = Store::open(Box::new(d.clone())).unwrap();
+    assert!(!read1(&s, 5).1);
+}
+
+#[test]
+fn unknown_checksum_algorithm_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+    let s = Store::create(mk(), 8, ReplicaState::Clean).unwrap();
+    drop(s);
+    // Rewrite both slots as if a newer version had chosen algorithm 200.
+    let path = dir.path().join("superblock");
+    let mut bytes = std::fs::read(&path).unwrap();
+    for slot in bytes.chunks_mut(SB_SLOT) {
+        let sb = Superblock::decode(slot).unwrap();
+        let enc = sb.encode().unwrap();
+        let code_at = enc
+            .iter()
+            .rposition(|&x| x == BlockChecksum::Xxh3.code())
+            .unwrap();
+        slot.copy_from_slice(&enc);
+        slot[code_at] = 200;
+        let c = crc32c::crc32c(&slot[12..]);
+        slot[8..12].copy_from_slice(&c.to_le_bytes());
+    }
+    std::fs::write(&path, bytes).unwrap();
+    let e = Store::open(mk()).unwrap_err();
+    assert!(matches!(e, Error::Corrupt(_)), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("unknown block checksum algorithm 200"),
+        "{msg}"
+    );
 }

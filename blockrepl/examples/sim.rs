@@ -32,7 +32,8 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     threads: usize,
     /// Inject a deliberate protocol bug: ack-on-first-replica,
-    /// skip-read-fencing, source-by-id.
+    /// skip-read-fencing, source-by-id, lease-ignores-drift,
+    /// lease-checked-at-send, replica-forgets-lease.
     #[arg(long)]
     bug: Option<String>,
     /// Run the workload without injected faults.
@@ -41,6 +42,12 @@ struct Args {
     /// Inject only partitions and engine pauses (zombie engines).
     #[arg(long)]
     zombie: bool,
+    /// Turn read leases off (every read confirms with a ping round).
+    #[arg(long)]
+    no_leases: bool,
+    /// Read lease asked by engines (µs of simulated clocks).
+    #[arg(long)]
+    lease_us: Option<u64>,
     /// Print every violation.
     #[arg(short, long)]
     verbose: bool,
@@ -61,6 +68,9 @@ fn main() {
         Some("ack-on-first-replica") => bugs.ack_on_first_replica = true,
         Some("skip-read-fencing") => bugs.skip_read_fencing = true,
         Some("source-by-id") => bugs.source_by_id = true,
+        Some("lease-ignores-drift") => bugs.lease_ignores_drift = true,
+        Some("lease-checked-at-send") => bugs.lease_checked_at_send = true,
+        Some("replica-forgets-lease") => bugs.replica_forgets_lease_on_restart = true,
         Some(other) => {
             eprintln!("unknown bug {other:?}");
             std::process::exit(2);
@@ -72,6 +82,7 @@ fn main() {
     };
     let next = Arc::new(AtomicU64::new(start));
     let totals = Arc::new(Mutex::new((0u64, 0u64, 0u64, 0u64, 0u64, 0u64, Vec::new())));
+    let reads = Arc::new(Mutex::new((0u64, 0u64)));
     let t0 = std::time::Instant::now();
     let mut handles = Vec::new();
     for _ in 0..args.threads.max(1) {
@@ -80,6 +91,8 @@ fn main() {
         let verbose = args.verbose || args.seed.is_some();
         let no_faults = args.no_faults;
         let zombie = args.zombie;
+        let (no_leases, lease_us) = (args.no_leases, args.lease_us);
+        let reads = reads.clone();
         handles.push(std::thread::spawn(move || {
             loop {
                 let s = next.fetch_add(1, Ordering::Relaxed);
@@ -90,7 +103,19 @@ fn main() {
                 cfg.bugs = bugs;
                 cfg.faults = !no_faults;
                 cfg.zombie_faults_only = zombie;
+                cfg.zombie_clients = zombie;
+                if let Some(l) = lease_us {
+                    cfg.read_lease_us = l;
+                }
+                if no_leases {
+                    cfg.read_lease_us = 0;
+                }
                 let r = run(cfg);
+                {
+                    let mut rd = reads.lock().unwrap();
+                    rd.0 += r.lease_reads;
+                    rd.1 += r.ping_rounds;
+                }
                 let mut t = totals.lock().unwrap();
                 t.0 += 1;
                 t.1 += r.faults;
@@ -130,6 +155,9 @@ fn main() {
     println!("violations:           {}", t.3);
     println!("acked writes lost:    {}", t.4);
     println!("divergent replicas:   {}", t.5);
+    let rd = reads.lock().unwrap();
+    println!("reads under lease:    {}", rd.0);
+    println!("ping rounds:          {}", rd.1);
     println!("elapsed:              {:.1?}", t0.elapsed());
     if !failing.is_empty() {
         let shown: Vec<String> = failing.iter().take(20).map(|s| s.to_string()).collect();

@@ -32,8 +32,8 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tracing::debug;
 
 use crate::error::{Error, Result};
-use crate::net::Secret;
 use crate::net::server::{ReplicaThread, is_quick, remote_link};
+use crate::net::{Secret, mono_us};
 use crate::proto::engine::{
     ClientOp, Engine, EngineConfig, EngineStatus, OpOutput, Output, Phase, QuorumLossPolicy,
     ScrubReport, SnapshotInfo,
@@ -74,6 +74,13 @@ pub struct VolumeConfig {
     pub attach_timeout: Duration,
     /// Lowest epoch to take (orchestrators may pass their own counter).
     pub min_epoch: u64,
+    /// Read lease `L` asked of the replicas (docs/blockrepl.md "Read
+    /// leases"): while `W` replicas hold one, reads go to one replica with
+    /// no ping round. A newer engine's attach (failover) waits up to `L`
+    /// for a cut-off engine's leases to end. Zero turns leases off. At most
+    /// what the replicas grant (`sheaf-replica --max-lease-ms`, default
+    /// 2 s).
+    pub read_lease: Duration,
 }
 
 impl VolumeConfig {
@@ -102,6 +109,7 @@ impl VolumeConfig {
             rejoin_interval: Duration::from_millis(500),
             attach_timeout: Duration::from_secs(10),
             min_epoch: 0,
+            read_lease: Duration::from_micros(crate::proto::engine::DEFAULT_READ_LEASE_US),
         }
     }
 }
@@ -129,8 +137,20 @@ fn create_store(path: &Path, size_bytes: u64, state: ReplicaState) -> Result<()>
     Ok(())
 }
 
-/// Opens a local store directory as a replica served by its own thread.
+/// Opens a local store directory as a replica served by its own thread
+/// (to remote engines through [`crate::net::server::serve`], or to this
+/// process's). It grants read leases of up to
+/// [`DEFAULT_MAX_LEASE_US`](crate::proto::replica::DEFAULT_MAX_LEASE_US)
+/// and, once started, refuses higher epochs for that long (the restart
+/// guard: leases live in memory).
 pub fn open_local_replica(path: &Path) -> Result<ReplicaThread> {
+    open_replica(path, crate::proto::replica::DEFAULT_MAX_LEASE_US, true)
+}
+
+/// [`open_local_replica`] with the longest lease granted (µs; 0 grants
+/// none) and whether a restart is guarded (turn it off only for a replica
+/// that serves this process's engines alone).
+pub fn open_replica(path: &Path, max_lease_us: u64, restart_guard: bool) -> Result<ReplicaThread> {
     let p = path.to_path_buf();
     let factory = Box::new(move || -> Box<dyn StoreDir> {
         match StdDir::new(&p) {
@@ -143,7 +163,8 @@ pub fn open_local_replica(path: &Path) -> Result<ReplicaThread> {
     });
     // Validate once up front for a clear error.
     StdDir::new(path).map_err(Error::store("open directory"))?;
-    let core = ReplicaCore::open(factory)?;
+    let mut core = ReplicaCore::open(factory)?;
+    core.set_lease_limit(max_lease_us, restart_guard);
     ReplicaThread::spawn(core, "sheaf-replica")
 }
 
@@ -228,6 +249,7 @@ impl Volume {
         }
         ecfg.on_quorum_loss = cfg.on_quorum_loss;
         ecfg.min_epoch = cfg.min_epoch;
+        ecfg.read_lease_us = cfg.read_lease.as_micros().min(u64::MAX as u128) as u64;
         let ticks = |d: Duration| (d.as_micros() / cfg.tick.as_micros().max(1)).max(1) as u64;
         ecfg.request_timeout = ticks(cfg.request_timeout);
         ecfg.rejoin_interval = ticks(cfg.rejoin_interval);
@@ -237,7 +259,11 @@ impl Volume {
         for (i, t) in cfg.replicas.iter().enumerate() {
             match t {
                 ReplicaTarget::Local(p) => links.push(LinkTx::Local {
-                    thread: open_local_replica(p)?,
+                    // Served to this engine only: when the process
+                    // restarts, every engine that could hold a lease on it
+                    // is gone, so no restart guard (it would delay every
+                    // re-attach by the lease).
+                    thread: open_replica(p, crate::proto::replica::DEFAULT_MAX_LEASE_US, false)?,
                     pending: 0,
                 }),
                 ReplicaTarget::Remote(addr) => {
@@ -251,7 +277,8 @@ impl Volume {
             }
         }
         drop(remote_tx);
-        let engine = Engine::new(ecfg);
+        let mut engine = Engine::new(ecfg);
+        engine.set_time(mono_us());
         let (tx, rx) = mpsc::unbounded_channel();
         let size = Arc::new(AtomicU64::new(0));
         let (phase_tx, mut phase_rx) = watch::channel(Phase::Probing);
@@ -534,7 +561,10 @@ impl Driver {
                         self.remote_event(r, ev);
                     }
                 }
-                _ = interval.tick() => self.engine.tick(),
+                _ = interval.tick() => {
+                    self.engine.set_time(mono_us());
+                    self.engine.tick();
+                }
             }
             self.drain();
             if self.engine.phase() == Phase::Detached && self.waiters.is_empty() {
@@ -548,10 +578,13 @@ impl Driver {
         if let Some(LinkTx::Local { pending, .. }) = self.links.get_mut(r) {
             *pending = pending.saturating_sub(1);
         }
+        // The clock is read after the answer arrived (read leases).
+        self.engine.set_time(mono_us());
         self.engine.step(r, resp.id, resp.resp);
     }
 
     fn remote_event(&mut self, r: usize, ev: Option<RespFrame>) {
+        self.engine.set_time(mono_us());
         match ev {
             Some(resp) => self.engine.step(r, resp.id, resp.resp),
             None => self.engine.disconnected(r),
@@ -564,6 +597,7 @@ impl Driver {
                 let id = self.next_op;
                 self.next_op += 1;
                 self.waiters.insert(id, reply);
+                self.engine.set_time(mono_us());
                 self.engine.submit(id, op);
             }
             Cmd::Status(tx) => {
@@ -586,6 +620,7 @@ impl Driver {
                         if *pending == 0 && inline_local(&frame.req) =>
                     {
                         let resp = thread.apply_inline(frame);
+                        self.engine.set_time(mono_us());
                         self.engine.step(to, resp.id, resp.resp);
                     }
                     LinkTx::Local { thread, pending } => {

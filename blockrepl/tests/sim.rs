@@ -226,6 +226,7 @@ fn zombie_regression_seeds() {
     for &s in ZOMBIE_REGRESSION_SEEDS {
         let mut c = SimConfig::new(s);
         c.zombie_faults_only = true;
+        c.zombie_clients = true;
         let r = run(c);
         assert!(
             r.violations.is_empty(),
@@ -285,6 +286,7 @@ fn zombie_seeds() {
     let rs = run_seeds(0..n, |s| {
         let mut c = SimConfig::new(s);
         c.zombie_faults_only = true;
+        c.zombie_clients = true;
         c
     });
     println!("{}", summary(&rs));
@@ -323,6 +325,13 @@ mod zombie {
         pub disks: Vec<SimDisk>,
         /// Ping requests delivered.
         pub pings: usize,
+        /// Real time (µs). Replicas get a clock only once `rates` is set.
+        pub now: u64,
+        /// Replica clock rates (ppm of real time); empty: no clocks.
+        pub rates: Vec<u64>,
+        /// Clock reading the engine's driver takes after an answer arrived
+        /// and before it feeds it (`None`: the driver reads no clock).
+        pub engine_clock: Option<u64>,
     }
 
     impl World {
@@ -341,7 +350,20 @@ mod zombie {
                 cores,
                 disks,
                 pings: 0,
+                now: 0,
+                rates: Vec::new(),
+                engine_clock: None,
             }
+        }
+
+        /// Restarts replica `r`'s process (its store reopened from disk,
+        /// its in-memory state gone).
+        pub fn restart(&mut self, r: usize, max_lease_us: u64, guard: bool) {
+            let d = self.disks[r].clone();
+            let f = Box::new(move || -> Box<dyn StoreDir> { Box::new(d.clone()) });
+            let mut core = ReplicaCore::open(f).unwrap();
+            core.set_lease_limit(max_lease_us, guard);
+            self.cores[r] = core;
         }
 
         /// Flips one bit of every copy of a 4 KiB block filled with `fill`
@@ -374,7 +396,14 @@ mod zombie {
                             self.pings += 1;
                         }
                         if !cut.contains(&to) {
+                            if let Some(rate) = self.rates.get(to) {
+                                let t = (self.now as u128 * *rate as u128 / 1_000_000) as u64;
+                                self.cores[to].set_time(t);
+                            }
                             let resp = self.cores[to].handle(frame.req);
+                            if let Some(t) = self.engine_clock {
+                                e.set_time(t);
+                            }
                             e.step(to, frame.id, resp);
                         }
                     }
@@ -485,6 +514,320 @@ mod zombie {
         });
         h
     }
+}
+
+/// Read leases against a zombie engine: engine A holds leases from every
+/// replica; B takes over replicas 1 and 2 (A is cut off from them) and
+/// overwrites block 0; A, still reaching replica 0, then reads block 0.
+/// With correct leases B cannot attach before A's leases ended on A's own
+/// (slow) clock, or A's lease is over by the time its read completes, so
+/// A falls back to a ping round that cannot complete; each deliberate
+/// lease bug turns this into a stale read.
+mod leases {
+    use std::collections::BTreeSet;
+
+    use bytes::Bytes;
+    use sheaf_blockrepl::proto::engine::{Bugs, ClientOp, Engine, EngineConfig, OpOutput, Phase};
+    use sheaf_blockrepl::sim::oracle::{self, OpKind, OpRecord, ReadValue};
+
+    use super::zombie::World;
+
+    /// Lease asked and granted (µs).
+    pub const L: u64 = 100_000;
+    /// Clock rate bound ρ the engines are told (5 %).
+    pub const RHO_PPM: u64 = 50_000;
+
+    pub fn engine(id: u64, bugs: Bugs) -> Engine {
+        let mut c = EngineConfig::new(3, id);
+        c.bugs = bugs;
+        c.request_timeout = 5;
+        c.rejoin_interval = 2;
+        c.read_lease_us = L;
+        c.clock_drift_ppm = RHO_PPM;
+        c.lease_margin_us = 1_000;
+        Engine::new(c)
+    }
+
+    pub fn val(writer: u32) -> Bytes {
+        Bytes::from(oracle::encode_value(writer, 1, 0, 0))
+    }
+
+    pub fn world(rate_ppm: u64, guard: bool) -> World {
+        let mut w = World::new(3);
+        w.rates = vec![rate_ppm; 3];
+        for c in &mut w.cores {
+            c.set_lease_limit(L, guard);
+        }
+        w
+    }
+
+    /// A attaches at real time 0 with its clock at `clock`, gets leases
+    /// from every replica and writes `val(1)` to block 0.
+    pub fn a_attaches_and_writes(w: &mut World, a: &mut Engine, clock: u64) -> OpRecord {
+        let none = BTreeSet::new();
+        w.engine_clock = Some(clock);
+        a.set_time(clock);
+        for _ in 0..3 {
+            a.tick();
+            w.run(a, &none);
+        }
+        assert_eq!(a.phase(), Phase::Running);
+        a.submit(
+            1,
+            ClientOp::Write {
+                lba: 0,
+                data: val(1),
+            },
+        );
+        assert!(w.run(a, &none).iter().any(|(id, r)| *id == 1 && r.is_ok()));
+        assert_eq!(a.status().lease_grants, 3, "A holds no leases");
+        OpRecord {
+            kind: OpKind::Write {
+                lba: 0,
+                blocks: 1,
+                key: (1, 1),
+            },
+            invoke: 0,
+            complete: Some(1),
+            era: 0,
+        }
+    }
+
+    /// B tries to take over replicas 1 and 2 (0 is cut off from it) at
+    /// real time `w.now` and overwrite block 0; the record of its write if
+    /// it completed.
+    pub fn b_takes_over(w: &mut World, bugs: Bugs) -> Option<OpRecord> {
+        let cut0: BTreeSet<usize> = [0].into();
+        let mut b = engine(2, bugs);
+        w.engine_clock = None;
+        for _ in 0..30 {
+            b.tick();
+            w.run(&mut b, &cut0);
+        }
+        if b.phase() != Phase::Running {
+            return None;
+        }
+        b.submit(
+            1,
+            ClientOp::Write {
+                lba: 0,
+                data: val(2),
+            },
+        );
+        w.run(&mut b, &cut0)
+            .iter()
+            .any(|(id, r)| *id == 1 && r.is_ok())
+            .then_some(OpRecord {
+                kind: OpKind::Write {
+                    lba: 0,
+                    blocks: 1,
+                    key: (2, 1),
+                },
+                invoke: 2,
+                complete: Some(3),
+                era: 0,
+            })
+    }
+
+    /// A, cut off from replicas 1 and 2, reads block 0 (submitted with its
+    /// clock at `submit_clock`; answers fed with it at `clock`).
+    pub fn a_reads(
+        w: &mut World,
+        a: &mut Engine,
+        submit_clock: Option<u64>,
+        clock: u64,
+    ) -> OpRecord {
+        let cut12: BTreeSet<usize> = [1, 2].into();
+        if let Some(t) = submit_clock {
+            a.set_time(t);
+        }
+        w.engine_clock = Some(clock);
+        a.submit(2, ClientOp::Read { lba: 0, blocks: 1 });
+        let mut got = None;
+        for _ in 0..50 {
+            for (id, r) in w.run(a, &cut12) {
+                if id == 2 {
+                    got = Some(r);
+                }
+            }
+            // Ticks fed by the stalled driver: no new clock reading.
+            a.tick();
+        }
+        let value = match got {
+            Some(Ok(OpOutput::Data(d))) => Some(oracle::decode_value(0, &d)),
+            _ => None,
+        };
+        OpRecord {
+            kind: OpKind::Read {
+                lba: 0,
+                values: vec![value.unwrap_or(ReadValue::Garbage)],
+            },
+            invoke: 4,
+            complete: value.map(|_| 5),
+            era: 0,
+        }
+    }
+
+    /// Replicas run 5 % fast, A's clock 5 % slow. A's leases end at 95.2 ms
+    /// real time on the replicas; a drift-blind A trusts them until
+    /// 104.2 ms. B attaches at 96 ms and writes; A reads at 97 ms.
+    pub fn drift_history(bugs: Bugs) -> Vec<OpRecord> {
+        let mut w = world(1_050_000, true);
+        let mut a = engine(1, bugs);
+        let a_clock = |real: u64| real * 95 / 100;
+        let mut h = vec![a_attaches_and_writes(&mut w, &mut a, a_clock(0))];
+        w.now = 96_000;
+        h.extend(b_takes_over(&mut w, bugs));
+        assert_eq!(h.len(), 2, "B did not take over after A's leases ended");
+        w.now = 97_000;
+        h.push(a_reads(
+            &mut w,
+            &mut a,
+            Some(a_clock(97_000)),
+            a_clock(97_000),
+        ));
+        h
+    }
+
+    /// Replicas 1 and 2 restart 10 ms after granting A's leases; B tries
+    /// to take them over at once. With the restart guard they refuse B
+    /// until a full lease passed, so A's read under its lease (at 11 ms)
+    /// is current; without it B overwrites block 0 first.
+    pub fn restart_history(bugs: Bugs) -> Vec<OpRecord> {
+        let guard = !bugs.replica_forgets_lease_on_restart;
+        let mut w = world(1_000_000, guard);
+        let mut a = engine(1, bugs);
+        let mut h = vec![a_attaches_and_writes(&mut w, &mut a, 0)];
+        w.now = 10_000;
+        w.restart(1, L, guard);
+        w.restart(2, L, guard);
+        h.extend(b_takes_over(&mut w, bugs));
+        w.now = 11_000;
+        h.push(a_reads(&mut w, &mut a, Some(11_000), 11_000));
+        if guard {
+            assert_eq!(h.len(), 2, "B attached during the restart guard");
+            // Once the guard is over, B gets in (liveness).
+            w.now = 10_000 + L + 1;
+            assert!(b_takes_over(&mut w, bugs).is_some(), "B never attached");
+        }
+        h
+    }
+
+    /// A's driver read its clock at 1 ms, then stalled for 150 ms; B took
+    /// over at 150 ms. The driver then takes A's read off its queue
+    /// (invoked after B's write) with that old reading and feeds the
+    /// answer with a fresh one: the lease must be checked at completion.
+    pub fn stale_send_history(bugs: Bugs) -> Vec<OpRecord> {
+        let mut w = world(1_000_000, true);
+        let mut a = engine(1, bugs);
+        let mut h = vec![a_attaches_and_writes(&mut w, &mut a, 0)];
+        a.set_time(1_000);
+        w.now = 150_000;
+        h.extend(b_takes_over(&mut w, bugs));
+        assert_eq!(h.len(), 2, "B did not take over after A's leases ended");
+        w.now = 151_000;
+        h.push(a_reads(&mut w, &mut a, None, 151_000));
+        h
+    }
+}
+
+#[test]
+fn read_leases_stop_zombie_reads_and_each_lease_bug_is_caught() {
+    use sheaf_blockrepl::sim::oracle::check;
+    type Scenario = fn(Bugs) -> Vec<sheaf_blockrepl::sim::oracle::OpRecord>;
+    let cases: [(&str, Scenario, Bugs); 3] = [
+        (
+            "lease check blind to clock drift",
+            leases::drift_history,
+            Bugs {
+                lease_ignores_drift: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "replica forgets its lease on restart",
+            leases::restart_history,
+            Bugs {
+                replica_forgets_lease_on_restart: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "lease checked when the read is sent",
+            leases::stale_send_history,
+            Bugs {
+                lease_checked_at_send: true,
+                ..Default::default()
+            },
+        ),
+    ];
+    for (name, scenario, bug) in cases {
+        let ok = scenario(Bugs::default());
+        let v = check(&ok, 0);
+        assert!(
+            v.violations.is_empty(),
+            "{name}, correct: {:?}",
+            v.violations
+        );
+        let bad = scenario(bug);
+        let v = check(&bad, 0);
+        assert!(
+            v.violations.iter().any(|s| s.contains("stale read")),
+            "{name}: the oracle did not catch the zombie read: {:?}",
+            v.violations
+        );
+    }
+}
+
+/// With leases held, reads take no ping round; when they lapse, reads
+/// fall back to ping rounds and renewals bring the leases back.
+#[test]
+fn reads_under_leases_take_no_ping_rounds() {
+    use std::collections::BTreeSet;
+
+    use sheaf_blockrepl::proto::engine::{ClientOp, OpOutput};
+
+    let mut w = leases::world(1_000_000, true);
+    let mut a = leases::engine(1, Bugs::default());
+    let none = BTreeSet::new();
+    leases::a_attaches_and_writes(&mut w, &mut a, 0);
+    let (pings0, rounds0) = (w.pings, a.status().ping_rounds);
+    for i in 0..20u64 {
+        w.now = 1_000 * i;
+        w.engine_clock = Some(w.now);
+        a.set_time(w.now);
+        a.submit(10 + i, ClientOp::Read { lba: 0, blocks: 1 });
+        let done = w.run(&mut a, &none);
+        assert!(
+            matches!(&done[..], [(_, Ok(OpOutput::Data(d)))] if d[..] == leases::val(1)[..]),
+            "{done:?}"
+        );
+    }
+    assert_eq!(w.pings - pings0, 0, "reads under leases sent pings");
+    assert_eq!(a.status().ping_rounds - rounds0, 0);
+    assert_eq!(a.status().lease_reads, 20);
+    // Long after the leases ended (no tick renewed them): a ping round.
+    w.now = 10 * leases::L;
+    w.engine_clock = Some(w.now);
+    a.set_time(w.now);
+    a.submit(99, ClientOp::Read { lba: 0, blocks: 1 });
+    let done = w.run(&mut a, &none);
+    assert!(
+        matches!(&done[..], [(_, Ok(OpOutput::Data(_)))]),
+        "{done:?}"
+    );
+    assert_eq!(a.status().ping_rounds - rounds0, 1);
+    // A tick renews the leases in the background; reads are free again.
+    a.tick();
+    w.run(&mut a, &none);
+    let pings1 = w.pings;
+    a.submit(100, ClientOp::Read { lba: 0, blocks: 1 });
+    let done = w.run(&mut a, &none);
+    assert!(
+        matches!(&done[..], [(_, Ok(OpOutput::Data(_)))]),
+        "{done:?}"
+    );
+    assert_eq!(w.pings, pings1);
 }
 
 #[test]

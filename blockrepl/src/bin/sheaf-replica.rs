@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! sheaf-replica --dir /var/lib/sheaf/vol0 --listen 127.0.0.1:7001 \
-//!     --secret-file /etc/sheaf/secret [--create-size 1073741824 [--replacement]]
+//!     --secret-file /etc/sheaf/secret [--create-size 1073741824 [--replacement]] \
+//!     [--max-lease-ms 2000]
 //! ```
 
 use std::net::SocketAddr;
@@ -13,7 +14,7 @@ use anyhow::Context;
 use clap::Parser;
 use sheaf_blockrepl::net::Secret;
 use sheaf_blockrepl::net::server::serve;
-use sheaf_blockrepl::volume::{create_replacement_replica, create_replica, open_local_replica};
+use sheaf_blockrepl::volume::{create_replacement_replica, create_replica, open_replica};
 
 #[derive(Parser, Debug)]
 #[command(about = "Serve a sheaf replica store over authenticated TCP")]
@@ -38,6 +39,13 @@ struct Args {
     /// request (requests of one connection run in order either way).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Longest read lease granted to an engine (ms; 0 grants none, and
+    /// every read of a replicated volume then costs a ping round). After
+    /// a start the replica refuses newer engines for this long (it may
+    /// have granted a lease before a crash): keep it at least the
+    /// volumes' `read_lease`, and small, as failover can wait for it.
+    #[arg(long, default_value_t = 2000)]
+    max_lease_ms: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,7 +67,8 @@ fn main() -> anyhow::Result<()> {
             create_replica(&args.dir, size)?;
         }
     }
-    let replica = open_local_replica(&args.dir).context("open store")?;
+    let replica = open_replica(&args.dir, args.max_lease_ms.saturating_mul(1000), true)
+        .context("open store")?;
     let rt = if args.threads == 0 {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()

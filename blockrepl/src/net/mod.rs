@@ -4,7 +4,7 @@
 //! Handshake (both sides hold the volume's shared secret `K`):
 //!
 //! ```text
-//!  client → server   "SHEAFRP1" ‖ nonce_c (32 random bytes)
+//!  client → server   "SHEAFRP3" ‖ nonce_c (32 random bytes)
 //!  server → client   nonce_s (32) ‖ HMAC(K, "server" ‖ nonce_c ‖ nonce_s)
 //!  client → server   HMAC(K, "client" ‖ nonce_c ‖ nonce_s)
 //! ```
@@ -34,8 +34,11 @@ use crate::proto::msg::MAX_FRAME;
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// Protocol version 2: AES-256-GCM frames (version 1: HMAC-SHA256 tags).
-const MAGIC: &[u8; 8] = b"SHEAFRP2";
+/// Protocol version 3: read leases (`Request::Lease`, `Response::Lease`,
+/// `Refusal::Leased`); a peer of another version fails the handshake
+/// instead of meeting an unknown message later. Version 2: AES-256-GCM
+/// frames; version 1: HMAC-SHA256 tags.
+const MAGIC: &[u8; 8] = b"SHEAFRP3";
 const NONCE: usize = 32;
 const TAG: usize = 16;
 /// Read buffer of a session (many small frames per `read` syscall).
@@ -112,6 +115,15 @@ pub fn random_bytes(buf: &mut [u8]) -> io::Result<()> {
         done += n as usize;
     }
     Ok(())
+}
+
+/// This process's monotonic clock in µs (read leases: engines and replicas
+/// each read their own; only rates matter, never the absolute value).
+pub fn mono_us() -> u64 {
+    static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let base = *BASE.get_or_init(std::time::Instant::now);
+    // Starts at 1 s so that no reading is mistaken for "never".
+    1_000_000 + base.elapsed().as_micros() as u64
 }
 
 /// A random u64 (engine ids, ...).

@@ -51,6 +51,7 @@ pub fn is_quick(req: &Request) -> bool {
     matches!(
         req,
         Request::Ping { .. }
+            | Request::Lease { .. }
             | Request::Read { .. }
             | Request::Op {
                 op: Op::Write { .. } | Op::Zero { .. },
@@ -69,7 +70,10 @@ impl std::fmt::Debug for ReplicaThread {
 /// panicked half-way) is never used again: the request gets a fault answer.
 fn apply(core: &Mutex<ReplicaCore>, frame: ReqFrame) -> RespFrame {
     let resp = match core.lock() {
-        Ok(mut c) => c.handle(frame.req),
+        Ok(mut c) => {
+            c.set_time(crate::net::mono_us());
+            c.handle(frame.req)
+        }
         Err(_) => Response::Refused(Refusal::Faulted),
     };
     RespFrame { id: frame.id, resp }

@@ -103,6 +103,17 @@ pub enum Request {
         /// Epoch.
         epoch: u64,
     },
+    /// Ask for a read lease at `epoch` (read leases, docs/blockrepl.md):
+    /// the replica promises to refuse `Attach` above `epoch` (from another
+    /// engine) for `duration_us` on its own clock, and answers
+    /// [`Response::Lease`] with what it granted. Explicit on the wire: a
+    /// plain `Ping` answer is never taken for a lease.
+    Lease {
+        /// Epoch.
+        epoch: u64,
+        /// Lease asked for (µs).
+        duration_us: u64,
+    },
     /// An ordered operation.
     Op {
         /// Epoch.
@@ -220,6 +231,12 @@ pub enum Refusal {
     Faulted,
     /// The request is invalid.
     Invalid(String),
+    /// `Attach` above the current epoch while a read lease granted to the
+    /// current epoch's engine (or the restart guard) runs: try again later.
+    Leased {
+        /// Time left on the replica's clock (ms, rounded up).
+        remaining_ms: u64,
+    },
 }
 
 /// A replica's answer.
@@ -241,6 +258,13 @@ pub enum Response {
     Layer(Vec<(BlockTag, Option<Bytes>)>),
     /// Refused.
     Refused(Refusal),
+    /// Answer to [`Request::Lease`]: lease granted for `granted_us` from
+    /// when the replica handled the request (0: no lease, e.g. the replica
+    /// has no clock).
+    Lease {
+        /// Granted duration (µs), at most what was asked.
+        granted_us: u64,
+    },
 }
 
 /// A request with the id its response will carry.
@@ -412,6 +436,11 @@ impl ReqFrame {
             Request::Ping { epoch } => {
                 e.0.put_u8(3);
                 e.0.put_u64_le(*epoch);
+            }
+            Request::Lease { epoch, duration_us } => {
+                e.0.put_u8(14);
+                e.0.put_u64_le(*epoch);
+                e.0.put_u64_le(*duration_us);
             }
             Request::Op { epoch, tag, op } => {
                 e.0.put_u8(4);
@@ -637,6 +666,10 @@ impl ReqFrame {
                 epoch: d.u64("epoch")?,
                 position: d.tag("position")?,
             },
+            14 => Request::Lease {
+                epoch: d.u64("epoch")?,
+                duration_us: d.u64("lease duration")?,
+            },
             k => return Err(DecodeError(format!("unknown request kind {k}"))),
         };
         d.end()?;
@@ -717,7 +750,15 @@ impl RespFrame {
                         e.0.put_u16_le(b.len() as u16);
                         e.0.put_slice(b);
                     }
+                    Refusal::Leased { remaining_ms } => {
+                        e.0.put_u8(6);
+                        e.0.put_u64_le(*remaining_ms);
+                    }
                 }
+            }
+            Response::Lease { granted_us } => {
+                e.0.put_u8(6);
+                e.0.put_u64_le(*granted_us);
             }
         }
         e.0
@@ -802,8 +843,14 @@ impl RespFrame {
                     let b = d.bytes(lo | hi << 8, "message")?;
                     Refusal::Invalid(String::from_utf8_lossy(b).into_owned())
                 }
+                6 => Refusal::Leased {
+                    remaining_ms: d.u64("lease remaining")?,
+                },
                 k => return Err(DecodeError(format!("unknown refusal {k}"))),
             }),
+            6 => Response::Lease {
+                granted_us: d.u64("lease granted")?,
+            },
             k => return Err(DecodeError(format!("unknown response kind {k}"))),
         };
         d.end()?;
@@ -849,6 +896,8 @@ mod tests {
             (any::<u64>(), any::<u64>())
                 .prop_map(|(epoch, engine)| Request::Attach { epoch, engine }),
             any::<u64>().prop_map(|epoch| Request::Ping { epoch }),
+            (any::<u64>(), any::<u64>())
+                .prop_map(|(epoch, duration_us)| Request::Lease { epoch, duration_us }),
             (any::<u64>(), tag(), any::<u64>(), 1u32..4, any::<u8>()).prop_map(
                 |(epoch, tag, lba, n, b)| Request::Op {
                     epoch,
@@ -937,6 +986,31 @@ mod tests {
             let cut = cut.min(b.len());
             prop_assert!(ReqFrame::decode(&b[..b.len() - cut]).is_err());
         }
+    }
+
+    #[test]
+    fn lease_frames_roundtrip_and_old_decoders_would_refuse_them() {
+        for resp in [
+            Response::Lease {
+                granted_us: 1_000_000,
+            },
+            Response::Refused(Refusal::Leased { remaining_ms: 7 }),
+        ] {
+            let f = RespFrame { id: 3, resp };
+            assert_eq!(RespFrame::decode(&f.encode()), Ok(f));
+        }
+        let b = ReqFrame {
+            id: 1,
+            req: Request::Lease {
+                epoch: 2,
+                duration_us: 5,
+            },
+        }
+        .encode();
+        // Kind 14: a decoder without leases stops at "unknown request kind".
+        assert_eq!(b[8], 14);
+        let e = RespFrame::decode(&[0, 0, 0, 0, 0, 0, 0, 0, 6, 1]).unwrap_err();
+        assert!(e.0.contains("lease granted"), "{e}");
     }
 
     #[test]

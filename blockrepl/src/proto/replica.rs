@@ -30,6 +30,34 @@ pub struct ReplicaCore {
     /// An engine attached to this incarnation. A restarted replica may have
     /// lost unflushed writes, so it serves nobody until attached again.
     attached: bool,
+    /// Read leases (docs/blockrepl.md "Read leases").
+    lease: LeaseState,
+}
+
+/// Longest read lease a replica grants by default (µs), and how long a
+/// restarted replica refuses higher epochs.
+pub const DEFAULT_MAX_LEASE_US: u64 = 2_000_000;
+
+/// A replica's read-lease promise: `Attach` above the current epoch from
+/// another engine is refused until `until` on this replica's own monotonic
+/// clock. Held in memory only; a restart is covered by the restart guard.
+#[derive(Debug, Clone, Copy)]
+struct LeaseState {
+    /// The replica's monotonic clock (µs), from [`ReplicaCore::set_time`];
+    /// `None` until the driver set it: a replica without a clock grants no
+    /// lease.
+    now: Option<u64>,
+    /// End of the promise.
+    until: u64,
+    /// Longest lease granted, and the length of the restart guard.
+    max_us: u64,
+    /// The restart guard is applied at the first clock reading.
+    guard_pending: bool,
+    /// No lease is granted or extended before this time: a newer engine
+    /// asked to attach while a lease ran, and it must get in once the
+    /// lease ends (else an engine that keeps renewing would keep every
+    /// failover out forever).
+    hold_off: u64,
 }
 
 impl std::fmt::Debug for ReplicaCore {
@@ -54,7 +82,49 @@ impl ReplicaCore {
             session: None,
             rebuild_start: Tag::default(),
             attached: false,
+            lease: LeaseState {
+                now: None,
+                until: 0,
+                max_us: DEFAULT_MAX_LEASE_US,
+                guard_pending: true,
+                hold_off: 0,
+            },
         }
+    }
+
+    /// Sets the longest read lease this replica grants (µs; 0 grants none)
+    /// and whether it guards a restart. The restart guard makes a replica
+    /// that may have granted a lease before it (re)started refuse `Attach`
+    /// above its epoch for `max_us` from its first clock reading, as if it
+    /// had granted one just before: leases live in memory only. Only a
+    /// replica served by the engine's own process (nobody else can hold a
+    /// lease on it once that process restarted) or a test may turn it off.
+    pub fn set_lease_limit(&mut self, max_us: u64, restart_guard: bool) {
+        self.lease.max_us = max_us;
+        if !restart_guard && self.lease.now.is_none() {
+            self.lease.guard_pending = false;
+        }
+    }
+
+    /// Sets the replica's monotonic clock (µs) before a request is handled.
+    /// The clock never goes back; the first reading starts the restart
+    /// guard (see [`ReplicaCore::set_lease_limit`]).
+    pub fn set_time(&mut self, now_us: u64) {
+        let now = self.lease.now.map_or(now_us, |n| n.max(now_us));
+        self.lease.now = Some(now);
+        if self.lease.guard_pending {
+            self.lease.guard_pending = false;
+            // A replica never attached (epoch 0) granted no lease.
+            if self.store.as_ref().is_some_and(|s| s.info().epoch > 0) {
+                self.lease.until = self.lease.until.max(now.saturating_add(self.lease.max_us));
+            }
+        }
+    }
+
+    /// Time left on the read lease (or restart guard), µs.
+    pub fn lease_remaining(&self) -> Option<u64> {
+        let now = self.lease.now?;
+        (now < self.lease.until).then(|| self.lease.until - now)
     }
 
     /// Opens the store in `reopen()`'s directory (crash recovery included).
@@ -105,6 +175,7 @@ impl ReplicaCore {
         if !self.attached && !matches!(req, Request::Probe | Request::Attach { .. }) {
             return refused(Refusal::Faulted);
         }
+        let lease_left = self.lease_remaining();
         let Some(store) = self.store.as_mut() else {
             return refused(Refusal::Faulted);
         };
@@ -116,6 +187,24 @@ impl ReplicaCore {
         match req {
             Request::Probe => Response::Info(info),
             Request::Attach { epoch, engine } => {
+                if epoch > info.epoch
+                    && engine != info.engine
+                    && let Some(rem) = lease_left
+                {
+                    // A read lease of the current epoch's engine runs: a
+                    // newer engine attaches after it, so every read that
+                    // engine completes under the lease is linearizable.
+                    debug!(epoch, remaining_us = rem, "attach refused: read lease");
+                    // Let the lease run out: no renewal until the newer
+                    // engine had time to try again.
+                    self.lease.hold_off = self
+                        .lease
+                        .hold_off
+                        .max(self.lease.until.saturating_add(self.lease.max_us));
+                    return refused(Refusal::Leased {
+                        remaining_ms: rem.div_ceil(1000),
+                    });
+                }
                 if epoch > info.epoch {
                     if let Err(e) = store.set_epoch(epoch, engine) {
                         return self.fault(&e);
@@ -138,6 +227,17 @@ impl ReplicaCore {
                     return stale;
                 }
                 Response::Ack(info.position)
+            }
+            Request::Lease { epoch, duration_us } => {
+                if !epoch_ok(epoch) {
+                    return stale;
+                }
+                let Some(now) = self.lease.now.filter(|&n| n >= self.lease.hold_off) else {
+                    return Response::Lease { granted_us: 0 };
+                };
+                let granted_us = duration_us.min(self.lease.max_us);
+                self.lease.until = self.lease.until.max(now.saturating_add(granted_us));
+                Response::Lease { granted_us }
             }
             Request::Op { epoch, tag, op } => {
                 if !epoch_ok(epoch) || tag.epoch != epoch {
@@ -449,6 +549,11 @@ impl ReplicaCore {
                         // Serves nobody until attached again: nothing may
                         // be acknowledged while marked closed.
                         self.attached = false;
+                        // The engine detaching completes no read after it
+                        // sent this (Detach waits for every other op and
+                        // the engine stops): its lease ends here, so the
+                        // next engine attaches at once.
+                        self.lease.until = 0;
                         Response::Ack(store.position())
                     }
                     Err(e) => self.fault(&e),

@@ -42,6 +42,19 @@ pub struct SimConfig {
     /// Inject only partitions and engine pauses (zombie engines): the
     /// scenario that read fencing exists for.
     pub zombie_faults_only: bool,
+    /// Read lease asked by engines and the most replicas grant (µs of
+    /// their own clocks); 0 turns leases off (ping rounds only).
+    pub read_lease_us: u64,
+    /// Clients stay with their engine after a failover (each with even
+    /// odds) until it is fenced: a zombie engine keeps serving a client
+    /// (its VM) while a newer engine serves the others. This is what makes
+    /// a stale read possible at all; without it every client moves to the
+    /// new engine.
+    pub zombie_clients: bool,
+    /// Clock rate error bound `ρ` (ppm): every node's clock runs at a
+    /// rate drawn from `[1−ρ, 1+ρ]` with a random offset; engines are
+    /// told this bound.
+    pub drift_ppm: u64,
 }
 
 impl SimConfig {
@@ -57,6 +70,9 @@ impl SimConfig {
             faults: true,
             bugs: Bugs::default(),
             zombie_faults_only: false,
+            read_lease_us: 50_000,
+            zombie_clients: false,
+            drift_ppm: 50_000,
         }
     }
 }
@@ -82,6 +98,10 @@ pub struct SimReport {
     pub sim_time: u64,
     /// Engine failovers.
     pub failovers: u64,
+    /// Reads completed under read leases, over every engine.
+    pub lease_reads: u64,
+    /// Read-fencing ping rounds sent, over every engine.
+    pub ping_rounds: u64,
 }
 
 const TICK: u64 = 1_000; // µs per engine tick
@@ -129,7 +149,33 @@ enum Ev {
     NetCalm,
 }
 
+/// A node's monotonic clock: `offset + t·rate` for simulated time `t`.
+#[derive(Clone, Copy, Debug)]
+pub struct SimClock {
+    /// Rate in ppm of real time (1,000,000 = exact).
+    pub rate_ppm: u64,
+    /// Reading at simulated time 0 (µs).
+    pub offset: u64,
+}
+
+impl SimClock {
+    /// A clock with a rate in `[1−ρ, 1+ρ]` and a random offset.
+    pub fn random(rng: &mut Prng, drift_ppm: u64) -> SimClock {
+        let d = drift_ppm.min(999_999);
+        SimClock {
+            rate_ppm: rng.range(1_000_000 - d, 1_000_000 + d + 1),
+            offset: rng.range(0, 1 << 40),
+        }
+    }
+
+    /// The reading at simulated time `t` (µs).
+    pub fn read(&self, t: u64) -> u64 {
+        self.offset + (t as u128 * self.rate_ppm as u128 / 1_000_000) as u64
+    }
+}
+
 struct ReplicaNode {
+    clock: SimClock,
     disk: SimDisk,
     core: Option<ReplicaCore>,
     busy_until: u64,
@@ -138,6 +184,11 @@ struct ReplicaNode {
 }
 
 struct EngineNode {
+    clock: SimClock,
+    /// Replaying what arrived during a pause: the engine's last clock
+    /// reading is from before the pause (a driver that read its clock and
+    /// then stalled), the jump comes after the replay.
+    stale_clock: bool,
     engine: Engine,
     alive: bool,
     paused_until: u64,
@@ -150,6 +201,8 @@ struct EngineNode {
 }
 
 struct Client {
+    /// Engine this client talks to.
+    engine: Option<u32>,
     done: usize,
     pending: Option<usize>,
     seq: u64,
@@ -194,6 +247,8 @@ pub struct Sim {
     final_error: Option<String>,
     /// Report of the last completed scrub.
     last_scrub: Option<crate::proto::engine::ScrubReport>,
+    /// Draws node clocks (its own stream: the workload's stays as it was).
+    clock_rng: Prng,
 }
 
 impl std::fmt::Debug for Sim {
@@ -248,6 +303,7 @@ fn brief_resp(resp: &crate::proto::msg::Response) -> String {
         A::Data { bad, .. } => format!("Data bad {bad:?}"),
         A::Layer(v) => format!("Layer {:?}", v.iter().map(|(t, _)| *t).collect::<Vec<_>>()),
         A::Refused(r) => format!("Refused {r:?}"),
+        A::Lease { granted_us } => format!("Lease {granted_us} us"),
     }
 }
 
@@ -266,6 +322,7 @@ impl Sim {
     /// Builds the world for `cfg`.
     pub fn new(cfg: SimConfig) -> Sim {
         let mut rng = Prng::new(cfg.seed);
+        let mut clock_rng = Prng::new(cfg.seed ^ 0x5eed_c10c_c10c_5eed);
         let mut replicas = Vec::new();
         for _ in 0..cfg.replicas {
             let disk = SimDisk::new(rng.next_u64());
@@ -274,8 +331,13 @@ impl Sim {
             let mut store = store;
             // Small WAL threshold so checkpoints happen often.
             store.set_checkpoint_bytes(64 << 10);
-            let core = ReplicaCore::new(store, factory(&disk));
+            let mut core = ReplicaCore::new(store, factory(&disk));
+            core.set_lease_limit(
+                cfg.read_lease_us,
+                !cfg.bugs.replica_forgets_lease_on_restart,
+            );
             replicas.push(ReplicaNode {
+                clock: SimClock::random(&mut clock_rng, cfg.drift_ppm),
                 disk,
                 core: Some(core),
                 busy_until: 0,
@@ -284,6 +346,7 @@ impl Sim {
         }
         let clients = (0..cfg.clients)
             .map(|_| Client {
+                engine: None,
                 done: 0,
                 pending: None,
                 seq: 0,
@@ -318,6 +381,7 @@ impl Sim {
             run_violations: Vec::new(),
             final_error: None,
             last_scrub: None,
+            clock_rng,
             cfg,
         }
     }
@@ -338,8 +402,15 @@ impl Sim {
         ecfg.rejoin_interval = 15;
         ecfg.rebuild_chunk = 8;
         ecfg.bugs = self.cfg.bugs;
-        let engine = Engine::new(ecfg);
+        ecfg.read_lease_us = self.cfg.read_lease_us;
+        ecfg.clock_drift_ppm = self.cfg.drift_ppm;
+        ecfg.lease_margin_us = 1_000;
+        let clock = SimClock::random(&mut self.clock_rng, self.cfg.drift_ppm);
+        let mut engine = Engine::new(ecfg);
+        engine.set_time(clock.read(self.now));
         self.engines.push(EngineNode {
+            clock,
+            stale_clock: false,
             engine,
             alive: true,
             paused_until: 0,
@@ -348,6 +419,11 @@ impl Sim {
             lost_seen: 0,
         });
         self.current = Some(eg);
+        for c in 0..self.clients.len() {
+            if !self.cfg.zombie_clients || self.clock_rng.chance(0.5) {
+                self.clients[c].engine = Some(eg);
+            }
+        }
         self.drain(eg);
         self.at(self.now + TICK, Ev::Tick { eg });
     }
@@ -420,6 +496,11 @@ impl Sim {
         report.ops_ok = self.history.iter().filter(|o| o.complete.is_some()).count() as u64;
         report.sim_time = self.now;
         report.failovers = self.failovers;
+        for e in &self.engines {
+            let st = e.engine.status();
+            report.lease_reads += st.lease_reads;
+            report.ping_rounds += st.ping_rounds;
+        }
         report
     }
 
@@ -542,10 +623,12 @@ impl Sim {
                     );
                     return;
                 }
+                let clock_now = self.replicas[to].clock.read(self.now);
                 let Some(core) = self.replicas[to].core.as_mut() else {
                     return;
                 };
                 let brief = tracing::enabled!(tracing::Level::TRACE).then(|| brief_req(&frame.req));
+                core.set_time(clock_now);
                 let resp = core.handle(frame.req);
                 if let Some(req) = brief {
                     tracing::trace!(
@@ -583,6 +666,10 @@ impl Sim {
                         .push(Ev::ToEngine { eg, from, frame });
                     return;
                 }
+                if !self.engines[g].stale_clock {
+                    let t = self.engines[g].clock.read(self.now);
+                    self.engines[g].engine.set_time(t);
+                }
                 self.engines[g].engine.step(from, frame.id, frame.resp);
                 self.drain(eg);
             }
@@ -599,6 +686,8 @@ impl Sim {
                 if self.engine_paused(eg) {
                     return; // ResumeEngine restarts ticking
                 }
+                let t = self.engines[g].clock.read(self.now);
+                self.engines[g].engine.set_time(t);
                 self.engines[g].engine.tick();
                 self.drain(eg);
                 self.at(self.now + TICK, Ev::Tick { eg });
@@ -615,9 +704,14 @@ impl Sim {
                     self.engines[g].engine.tick();
                 }
                 let backlog = std::mem::take(&mut self.engines[g].backlog);
+                self.engines[g].stale_clock = true;
                 for ev in backlog {
                     self.handle(ev);
                 }
+                self.engines[g].stale_clock = false;
+                // The clock jumps over the pause.
+                let t = self.engines[g].clock.read(self.now);
+                self.engines[g].engine.set_time(t);
                 self.drain(eg);
                 self.at(self.now + TICK, Ev::Tick { eg });
             }
@@ -669,6 +763,13 @@ impl Sim {
     fn restart_replica(&mut self, r: usize) {
         match ReplicaCore::open(factory(&self.replicas[r].disk)) {
             Ok(mut core) => {
+                // Leases live in memory: the restart guard covers any the
+                // replica granted before it went down.
+                core.set_lease_limit(
+                    self.cfg.read_lease_us,
+                    !self.cfg.bugs.replica_forgets_lease_on_restart,
+                );
+                core.set_time(self.replicas[r].clock.read(self.now));
                 if let Some(s) = core.store_mut() {
                     s.set_checkpoint_bytes(64 << 10);
                 }
@@ -815,6 +916,24 @@ impl Sim {
 
     fn submit(&mut self, client: usize, kind: OpKind, op: ClientOp) -> Option<usize> {
         let eg = self.current?;
+        self.submit_to(eg, client, kind, op)
+    }
+
+    /// The engine client `client` uses: its own while that one still
+    /// serves, else the current one.
+    fn client_engine(&mut self, client: usize) -> Option<u32> {
+        if let Some(g) = self.clients[client].engine {
+            let e = &self.engines[g as usize];
+            if e.alive && !matches!(e.engine.phase(), Phase::Fenced | Phase::Detached) {
+                return Some(g);
+            }
+        }
+        let g = self.current?;
+        self.clients[client].engine = Some(g);
+        Some(g)
+    }
+
+    fn submit_to(&mut self, eg: u32, client: usize, kind: OpKind, op: ClientOp) -> Option<usize> {
         let hi = self.history.len();
         tracing::debug!(op = hi, eg, client, ?kind, now = self.now, "op submitted");
         self.history.push(OpRecord {
@@ -834,6 +953,8 @@ impl Sim {
         }
         let _span = tracing::debug_span!("engine", eg).entered();
         if self.engines[g].alive && !self.engine_paused(eg) {
+            let t = self.engines[g].clock.read(self.now);
+            self.engines[g].engine.set_time(t);
             self.engines[g].engine.submit(id, op);
             self.drain(eg);
         } else if self.engines[g].alive {
@@ -850,16 +971,16 @@ impl Sim {
             return;
         }
         let usable = self.current.is_some_and(|g| self.engines[g as usize].alive);
-        if !usable {
+        let eg = self.client_engine(client);
+        let Some(eg) = eg.filter(|_| usable) else {
             let t = self.now + 1_000;
             self.at(t, Ev::ClientNext { client });
             return;
-        }
+        };
         let blocks = self.cfg.blocks;
         let n = self.rng.range(1, 3).min(blocks);
         let lba = self.rng.below(blocks - n + 1);
         let roll = self.rng.below(100);
-        let eg = self.current.unwrap_or(0);
         if roll < 50 {
             self.clients[client].seq += 1;
             let seq = self.clients[client].seq;
@@ -867,7 +988,8 @@ impl Sim {
             for b in lba..lba + n {
                 data.extend_from_slice(&oracle::encode_value(client as u32, seq, b, eg));
             }
-            self.submit(
+            self.submit_to(
+                eg,
                 client,
                 OpKind::Write {
                     lba,
@@ -880,7 +1002,8 @@ impl Sim {
                 },
             );
         } else if roll < 85 {
-            self.submit(
+            self.submit_to(
+                eg,
                 client,
                 OpKind::Read {
                     lba,
@@ -892,7 +1015,8 @@ impl Sim {
                 },
             );
         } else if roll < 89 {
-            self.submit(
+            self.submit_to(
+                eg,
                 client,
                 OpKind::Zero {
                     lba,
@@ -904,7 +1028,7 @@ impl Sim {
                 },
             );
         } else if roll < 97 {
-            self.submit(client, OpKind::Flush, ClientOp::Flush);
+            self.submit_to(eg, client, OpKind::Flush, ClientOp::Flush);
         } else {
             // Snapshot churn: create, and delete the oldest beyond two.
             self.snap_n += 1;
@@ -917,7 +1041,8 @@ impl Sim {
                 ClientOp::Snapshot { name }
             };
             // Not part of the register history: recorded as a flush-less no-op.
-            self.submit(
+            self.submit_to(
+                eg,
                 client,
                 OpKind::Read {
                     lba: 0,

@@ -59,6 +59,14 @@ impl Engine {
         // Those requests include the current ping round's: nobody will
         // answer it (seed 7082: reads waited forever for a settled round).
         self.ping_waiting.clear();
+        // Leases were granted to the old epoch: start over under the new
+        // one (a replica lets the engine that holds its lease attach
+        // above it).
+        for p in &mut self.peers {
+            p.lease_until = 0;
+            p.lease_asked = false;
+            p.lease_next = 0;
+        }
         for r in 0..self.peers.len() {
             self.probe(r);
         }
@@ -166,6 +174,7 @@ impl Engine {
             self.adopt_if_recovered(r);
         }
         self.maybe_start_rebuilds();
+        self.pump_leases();
         // Marks the engine stable if W replicas are in sync, then pumps.
         self.check_commits();
     }

@@ -149,6 +149,10 @@ impl Engine {
             rs.tried.insert(r);
             rs.server = Some(r);
         }
+        let leased = self.lease_ok();
+        if let Some(rs) = self.reads.get_mut(&op) {
+            rs.leased_at_send = leased;
+        }
         let epoch = self.epoch;
         self.send(r, Request::Read { epoch, lba, blocks }, Ctx::Read { op });
         // Read fencing: W replicas must confirm the epoch after the read
@@ -170,12 +174,116 @@ impl Engine {
         let Some(rs) = self.reads.get(&op) else {
             return;
         };
-        if rs.data.is_some() && (skip || self.read_confirmations(rs) >= w) {
+        if rs.data.is_none() {
+            return;
+        }
+        // Read leases are checked now, when the read completes, against the
+        // clock the driver read after the answer arrived: the data was
+        // served before that reading, and no newer engine can attach on
+        // the lease holders before their leases end.
+        let leased = if self.cfg.bugs.lease_checked_at_send {
+            rs.leased_at_send
+        } else {
+            self.lease_ok()
+        };
+        let confirmed = self.read_confirmations(rs) >= w;
+        if skip || confirmed || leased {
             let Some(rs) = self.reads.remove(&op) else {
                 return;
             };
+            if !confirmed && !skip {
+                self.status.lease_reads += 1;
+            }
             let data = rs.data.unwrap_or_default();
             self.complete(op, Ok(OpOutput::Data(data)));
+        } else {
+            // Leases ran out while the read was out: confirm with pings.
+            self.pump_pings();
+        }
+    }
+
+    /// Whether at least `W` replicas hold a read lease valid now.
+    pub(super) fn lease_ok(&self) -> bool {
+        let Some(now) = self.clock else {
+            return false;
+        };
+        self.leases_wanted()
+            && self.peers.iter().filter(|p| p.lease_until > now).count() >= self.w()
+    }
+
+    fn leases_wanted(&self) -> bool {
+        // With W = 1 the serving replica's answer confirms the epoch alone.
+        self.cfg.read_lease_us > 0 && self.w() >= 2 && self.clock.is_some()
+    }
+
+    /// Asks every attached replica whose lease ends within `L / 2` (or
+    /// that holds none) for a new one. Runs on every tick: renewals go out
+    /// in the background, before the leases end.
+    pub(super) fn pump_leases(&mut self) {
+        if self.phase != Phase::Running || !self.leases_wanted() {
+            return;
+        }
+        let Some(now) = self.clock else { return };
+        let l = self.cfg.read_lease_us;
+        let epoch = self.epoch;
+        for r in 0..self.peers.len() {
+            let p = &self.peers[r];
+            if p.link != Link::Attached
+                || p.lease_asked
+                || p.lease_next > now
+                || p.lease_until > now.saturating_add(l / 2)
+            {
+                continue;
+            }
+            self.peers[r].lease_asked = true;
+            self.send(
+                r,
+                Request::Lease {
+                    epoch,
+                    duration_us: l,
+                },
+                Ctx::Lease { sent: now },
+            );
+        }
+    }
+
+    /// Answer to a lease request sent at `sent` (engine clock).
+    pub(super) fn on_lease(&mut self, from: ReplicaId, sent: u64, resp: Response) {
+        let Response::Lease { granted_us } = resp else {
+            return self.peer_failed_with(from, "bad lease answer", Some(Ctx::Lease { sent }));
+        };
+        self.peers[from].lease_asked = false;
+        // The replica's clock may run fast by ρ and ours slow by ρ: of
+        // `granted` on its clock we may count `granted·(1−ρ)/(1+ρ)` on ours,
+        // from when we asked (it granted later, so its lease ends later).
+        let usable = if self.cfg.bugs.lease_ignores_drift {
+            granted_us
+        } else {
+            let ppm = self.cfg.clock_drift_ppm.min(999_999) as u128;
+            (granted_us as u128 * (1_000_000 - ppm) / (1_000_000 + ppm)) as u64
+        };
+        let usable = usable.saturating_sub(self.cfg.lease_margin_us);
+        if usable == 0 {
+            // Refused (a newer engine waits for our leases to end): reads
+            // confirm with pings meanwhile; ask again later.
+            self.peers[from].lease_next = self
+                .clock
+                .unwrap_or(0)
+                .saturating_add(self.cfg.read_lease_us / 4);
+            return;
+        }
+        self.status.lease_grants += 1;
+        let p = &mut self.peers[from];
+        p.lease_until = p.lease_until.max(sent.saturating_add(usable));
+        // Reads that wait for a ping round may complete now.
+        let waiting: Vec<OpId> = self
+            .reads
+            .iter()
+            .filter(|(_, rs)| rs.data.is_some())
+            .map(|(&op, _)| op)
+            .collect();
+        for op in waiting {
+            self.check_read(op);
         }
     }
 
@@ -192,8 +300,9 @@ impl Engine {
     /// was sent while reads still wait for it.
     pub(super) fn pump_pings(&mut self) {
         let w = self.w();
-        // With W = 1 the serving replica's answer confirms the epoch alone.
-        if self.phase != Phase::Running || w <= 1 {
+        // With W = 1 the serving replica's answer confirms the epoch alone;
+        // under valid read leases reads need no round.
+        if self.phase != Phase::Running || w <= 1 || self.lease_ok() {
             return;
         }
         let epoch = self.epoch;

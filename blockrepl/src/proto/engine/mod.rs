@@ -78,6 +78,19 @@ pub struct EngineConfig {
     pub rebuild_chunk: u32,
     /// Rebuild chunks in flight per rebuild.
     pub rebuild_parallel: usize,
+    /// Read leases (docs/blockrepl.md "Read leases"): the lease `L` asked
+    /// of every attached replica, in µs of the replica's clock; 0 turns
+    /// leases off (every read then confirms the epoch with a ping round).
+    /// Leases are used only once the driver gives the engine a clock
+    /// ([`Engine::set_time`]) and when `W >= 2`. A newer engine's attach
+    /// waits up to `L` for the leases to run out (failover grows by `L`).
+    pub read_lease_us: u64,
+    /// Bound `ρ` on the rate error of any node's clock, in parts per
+    /// million: a lease granted for `L` is trusted for
+    /// `L·(1−ρ)/(1+ρ) − lease_margin_us` from when it was asked for.
+    pub clock_drift_ppm: u64,
+    /// Subtracted from every lease (µs).
+    pub lease_margin_us: u64,
     /// Deliberate protocol bugs, for proving that the simulator's oracle
     /// catches them. Never set outside tests.
     pub bugs: Bugs,
@@ -92,7 +105,20 @@ pub struct Bugs {
     pub skip_read_fencing: bool,
     /// Pick the rebuild source by lowest replica id instead of position.
     pub source_by_id: bool,
+    /// Trust a read lease for `L − margin` of the engine's clock, blind to
+    /// clock drift.
+    pub lease_ignores_drift: bool,
+    /// Decide whether a read is covered by a lease when it is sent instead
+    /// of when it completes.
+    pub lease_checked_at_send: bool,
+    /// Replicas forget their leases on restart (no restart guard). Applied
+    /// by the simulator to the replicas it starts.
+    pub replica_forgets_lease_on_restart: bool,
 }
+
+/// Default read lease `L` (µs): failover waits at most this long for a
+/// paused or cut-off engine's leases to run out.
+pub const DEFAULT_READ_LEASE_US: u64 = 1_000_000;
 
 impl EngineConfig {
     /// A configuration for `replicas` replicas with `W = min(2, N)`.
@@ -109,6 +135,9 @@ impl EngineConfig {
             on_quorum_loss: QuorumLossPolicy::Suspend,
             rebuild_chunk: MAX_IO_BLOCKS as u32,
             rebuild_parallel: 8,
+            read_lease_us: DEFAULT_READ_LEASE_US,
+            clock_drift_ppm: 10_000,
+            lease_margin_us: 5_000,
             bugs: Bugs::default(),
         }
     }
@@ -272,6 +301,10 @@ pub struct EngineStatus {
     /// Read-fencing ping rounds sent (one round confirms every read that
     /// started before it).
     pub ping_rounds: u64,
+    /// Reads completed under read leases (no ping round).
+    pub lease_reads: u64,
+    /// Read leases granted to this engine.
+    pub lease_grants: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -304,6 +337,14 @@ struct Peer {
     pinged_ok: u64,
     /// Highest read-fencing round sent to this replica.
     pinged: u64,
+    /// End of this replica's read lease on the engine's clock (exclusive;
+    /// already reduced for drift and margin).
+    lease_until: u64,
+    /// A lease request is outstanding.
+    lease_asked: bool,
+    /// Do not ask before this time (engine clock): the replica granted
+    /// nothing (a newer engine waits to attach, or it has no clock).
+    lease_next: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -321,6 +362,10 @@ enum Ctx {
     },
     Ping {
         round: u64,
+    },
+    Lease {
+        /// Engine clock when the request was sent.
+        sent: u64,
     },
     RbFlush {
         session: u64,
@@ -403,6 +448,9 @@ struct ReadState {
     /// Blocks that were bad on every replica that answered so far (`None`
     /// before the first answer).
     bad: Option<BTreeSet<u64>>,
+    /// Leases were valid when the read was last sent (only used by the
+    /// `lease_checked_at_send` bug).
+    leased_at_send: bool,
 }
 
 #[derive(Debug)]
@@ -494,6 +542,9 @@ const MAX_SCRUB_PASSES: u32 = 3;
 pub struct Engine {
     cfg: EngineConfig,
     now: u64,
+    /// The driver's monotonic clock (µs), from [`Engine::set_time`]; read
+    /// leases are used only once it is set.
+    clock: Option<u64>,
     phase: Phase,
     epoch: u64,
     peers: Vec<Peer>,
@@ -572,10 +623,14 @@ impl Engine {
                 acked: Tag::default(),
                 pinged_ok: 0,
                 pinged: 0,
+                lease_until: 0,
+                lease_asked: false,
+                lease_next: 0,
             })
             .collect();
         let mut e = Engine {
             now: 0,
+            clock: None,
             phase: Phase::Probing,
             epoch: 0,
             peers,
@@ -620,6 +675,8 @@ impl Engine {
                 lost_unflushed: 0,
                 lost_blocks: vec![],
                 ping_rounds: 0,
+                lease_reads: 0,
+                lease_grants: 0,
             },
             cfg,
         };
@@ -930,6 +987,7 @@ impl Engine {
                         need_round: self.ping_round + 1,
                         server: None,
                         bad: None,
+                        leased_at_send: false,
                     },
                 );
                 self.read_attempt(id);
@@ -1081,6 +1139,17 @@ impl Engine {
         Ok(())
     }
 
+    /// Sets the engine's clock: a monotonic reading in µs (a reading below
+    /// the last one is ignored). Read leases are checked against it when a
+    /// read completes, so a driver that uses leases must call it before
+    /// every [`Engine::step`], [`Engine::submit`] and [`Engine::tick`]
+    /// (after the event it is about to feed arrived): a process that was
+    /// paused longer than a lease must not act on a reading from before
+    /// the pause. Request timeouts still count ticks.
+    pub fn set_time(&mut self, now_us: u64) {
+        self.clock = Some(self.clock.map_or(now_us, |c| c.max(now_us)));
+    }
+
     /// Advances time by one tick: expires requests, retries failed replicas,
     /// drives rebuilds.
     pub fn tick(&mut self) {
@@ -1113,6 +1182,7 @@ impl Engine {
             for s in sessions {
                 self.rb_pump(s);
             }
+            self.pump_leases();
             self.pump_pings();
         }
         self.pump();
@@ -1190,6 +1260,9 @@ impl Engine {
                     }
                     self.pump_pings();
                 }
+                // The replica's promise (if it made one) stands; ask again
+                // once it is back.
+                Ctx::Lease { .. } => self.peers[r].lease_asked = false,
                 Ctx::ScrubTags { op, chunk } => self.scrub_drop(op, chunk, r),
                 Ctx::RepairRead {
                     bad_on,
@@ -1368,6 +1441,7 @@ impl Engine {
             }
             Ctx::Read { op } => self.on_read(op, from, resp),
             Ctx::Ping { round } => self.on_ping(from, round, resp),
+            Ctx::Lease { sent } => self.on_lease(from, sent, resp),
             Ctx::RbFlush { session } => self.rb_send_begin(session),
             Ctx::RbBegin { session } => self.rb_begun(session, resp),
             Ctx::RbTags {

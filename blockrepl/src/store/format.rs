@@ -1,7 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 //! On-disk formats: the double-buffered superblock, per-block metadata
 //! entries and write-ahead-log records. Every structure carries a CRC32C and
-//! every decoder returns `None` (never panics) on bad input.
+//! every decoder returns `None` or an error (never panics) on bad input.
+//!
+//! Versioning: the superblock's flags byte is the feature list. A decoder
+//! refuses flags it does not know, so a feature that older versions must
+//! not misread (like a block checksum other than SHA-256, flag 4) sets a
+//! new flag; stores without it keep their exact old encoding.
 
 use crate::types::{BlockChecksum, LayerInfo, MAX_LAYERS, MAX_NAME_LEN, ReplicaState, Tag};
 

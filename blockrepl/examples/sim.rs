@@ -48,6 +48,9 @@ struct Args {
     /// Read lease asked by engines (µs of simulated clocks).
     #[arg(long)]
     lease_us: Option<u64>,
+    /// Clock rate error bound ρ of every simulated clock (ppm).
+    #[arg(long)]
+    drift_ppm: Option<u64>,
     /// Print every violation.
     #[arg(short, long)]
     verbose: bool,
@@ -91,7 +94,7 @@ fn main() {
         let verbose = args.verbose || args.seed.is_some();
         let no_faults = args.no_faults;
         let zombie = args.zombie;
-        let (no_leases, lease_us) = (args.no_leases, args.lease_us);
+        let (no_leases, lease_us, drift) = (args.no_leases, args.lease_us, args.drift_ppm);
         let reads = reads.clone();
         handles.push(std::thread::spawn(move || {
             loop {
@@ -104,6 +107,9 @@ fn main() {
                 cfg.faults = !no_faults;
                 cfg.zombie_faults_only = zombie;
                 cfg.zombie_clients = zombie;
+                if let Some(d) = drift {
+                    cfg.drift_ppm = d;
+                }
                 if let Some(l) = lease_us {
                     cfg.read_lease_us = l;
                 }

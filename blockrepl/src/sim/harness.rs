@@ -228,6 +228,8 @@ pub struct Sim {
     era: u32,
     next_op: u64,
     partitioned: Vec<bool>,
+    /// Links (engine, replica) cut until the given time (zombie splits).
+    cut_links: BTreeMap<(u32, usize), u64>,
     /// Last delivery time per (engine eg, replica, direction) link: FIFO.
     link_time: BTreeMap<(u32, usize, bool), u64>,
     drop_p: f64,
@@ -368,6 +370,7 @@ impl Sim {
             era: 0,
             next_op: 1,
             partitioned: vec![false; n],
+            cut_links: BTreeMap::new(),
             link_time: BTreeMap::new(),
             drop_p: 0.0,
             dup_p: 0.0,
@@ -475,7 +478,14 @@ impl Sim {
                 self.replace_fenced_engine();
             }
             if !self.step() {
-                break;
+                // Nothing left to happen: a fenced engine schedules no
+                // ticks (zombie seed 1029 with 200 ms leases: two engines
+                // fenced each other at the same epoch right at the end).
+                let before = self.engines.len();
+                self.replace_fenced_engine();
+                if self.engines.len() == before {
+                    break;
+                }
             }
         }
         if !self.converged() {
@@ -546,6 +556,7 @@ impl Sim {
         self.drop_p = 0.0;
         self.dup_p = 0.0;
         self.reorder_p = 0.0;
+        self.cut_links.clear();
         for r in 0..self.replicas.len() {
             self.partitioned[r] = false;
             self.replicas[r].disk.set_faults(DiskFaults {
@@ -788,6 +799,9 @@ impl Sim {
 
     fn net_send(&mut self, t: u64, eg: u32, r: usize, to_replica: bool, ev: Ev) {
         if self.partitioned[r] {
+            return;
+        }
+        if self.cut_links.get(&(eg, r)).is_some_and(|&u| u > self.now) {
             return;
         }
         if self.rng.chance(self.drop_p) {
@@ -1057,7 +1071,9 @@ impl Sim {
         let r = self.rng.below(self.cfg.replicas as u64) as usize;
         self.faults += 1;
         let mut kind = self.rng.below(14);
-        if self.cfg.zombie_faults_only {
+        if self.cfg.zombie_faults_only && self.cfg.zombie_clients {
+            kind = [0, 1, 12, 13][(kind % 4) as usize];
+        } else if self.cfg.zombie_faults_only {
             kind = [0, 1, 12][(kind % 3) as usize];
         }
         tracing::info!(kind, replica = r, now = self.now, "fault");
@@ -1154,6 +1170,51 @@ impl Sim {
                     self.at(until, Ev::ResumeEngine { eg: g });
                     let t = self.now + self.rng.range(1_000, 50_000);
                     self.at(t, Ev::StartEngine);
+                }
+            }
+            13 if self.cfg.zombie_faults_only => {
+                // Split: the running engine loses every replica but `r`
+                // (its node is cut off; the orchestrator fails over) and
+                // a new engine starts at once, while the old one keeps
+                // running for its clients (under read leases, until they
+                // end on its own clock).
+                if let Some(g) = self.current
+                    && !self.engine_paused(g)
+                {
+                    let until = self.now + self.rng.range(20_000, 300_000);
+                    for i in 0..self.replicas.len() {
+                        if i != r {
+                            self.cut_links.insert((g, i), until);
+                        }
+                    }
+                    self.failovers += 1;
+                    self.start_engine();
+                    // The new engine is on the other side of the split.
+                    let b = (self.engines.len() - 1) as u32;
+                    self.cut_links.insert((b, r), until);
+                    match self.rng.below(3) {
+                        0 => {
+                            // The old engine also stalls for about a lease:
+                            // it wakes to a clock jump, and to client
+                            // requests taken in with its last reading.
+                            let l = self.cfg.read_lease_us.max(10_000);
+                            let pause = self.now + self.rng.range(l / 2, 4 * l);
+                            self.engines[g as usize].paused_until = pause;
+                            self.at(pause, Ev::ResumeEngine { eg: g });
+                        }
+                        1 => {
+                            // The replicas on the new engine's side restart
+                            // (their leases are gone from memory).
+                            for i in 0..self.replicas.len() {
+                                if i != r && self.replicas[i].core.is_some() {
+                                    self.replicas[i].core = None;
+                                    let t = self.now + self.rng.range(500, 5_000);
+                                    self.at(t, Ev::RestartReplica { r: i });
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
                 }
             }
             _ => {

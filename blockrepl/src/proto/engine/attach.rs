@@ -173,6 +173,12 @@ impl Engine {
         for r in self.ids(Role::Active) {
             self.adopt_if_recovered(r);
         }
+        // The barrier: an ordered no-op of this epoch (a resize to the
+        // same size), so that the adopted history carries this epoch's tag
+        // on `W` replicas before any read shows it (see `stable`).
+        let size_blocks = self.size_blocks;
+        self.barrier = self.position.index + 1;
+        self.issue(BARRIER_OP, Op::Resize { size_blocks }, Commit::None);
         self.maybe_start_rebuilds();
         self.pump_leases();
         // Marks the engine stable if W replicas are in sync, then pumps.

@@ -43,7 +43,12 @@ impl Engine {
             return;
         }
         let active: Vec<ReplicaId> = self.ids(Role::Active);
-        if active.len() >= self.w() && !self.stable {
+        if active.len() >= self.w()
+            && !self.stable
+            && active
+                .iter()
+                .all(|&r| self.applied_index(r) >= self.barrier)
+        {
             self.stable = true;
             self.acked_pos = self.acked_pos.max(self.start_pos);
             self.repump = true;

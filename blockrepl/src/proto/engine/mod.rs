@@ -534,6 +534,10 @@ struct ScrubState {
     passes: u32,
 }
 
+/// Operation id of the attach barrier (completions for it go nowhere:
+/// drivers number client operations from 1 up).
+const BARRIER_OP: OpId = u64::MAX;
+
 /// Scrub passes at most per scrub operation.
 const MAX_SCRUB_PASSES: u32 = 3;
 
@@ -581,7 +585,18 @@ pub struct Engine {
     /// a re-attach from the other replicas, would go back in time. Reads
     /// therefore wait until `W` replicas are in sync (like Raft's leader
     /// committing an entry of its term before serving reads).
+    ///
+    /// In sync means *at this epoch*: every attach issues a barrier (an
+    /// ordered no-op, `barrier`) and reads wait until `W` replicas applied
+    /// it. Without it the adopted history keeps its old tags: an engine
+    /// that adopted `1:14` (and showed its writes to reads) left replicas
+    /// at `1:14`, and a later attach preferred a replica at `2:14` from
+    /// another unacknowledged branch, losing what reads had seen (zombie
+    /// seed 3998, with a read-lease refusal keeping the `2:14` replica out
+    /// of the first attach).
     stable: bool,
+    /// Index of this attach's barrier.
+    barrier: u64,
     /// Position the last attach started from.
     start_pos: Tag,
     /// Highest position any attach of this engine started from: earlier
@@ -656,6 +671,7 @@ impl Engine {
             attached_once: false,
             acked_pos: Tag::default(),
             stable: false,
+            barrier: 0,
             start_pos: Tag::default(),
             max_start: Tag::default(),
             probe_started: 0,

@@ -801,6 +801,57 @@ fn read_leases_stop_zombie_reads_and_each_lease_bug_is_caught() {
     }
 }
 
+/// The random zombie runs (zombie clients, splits, 20 % clock drift)
+/// also reach stale reads with two of the lease bugs, on seeds where the
+/// correct protocol is clean (found by scanning 10,000 seeds per bug;
+/// `lease_checked_at_send` needs the targeted scenario above).
+#[test]
+fn random_zombie_runs_catch_lease_bugs() {
+    let cases: [(&str, u64, u64, Bugs); 2] = [
+        (
+            "lease check blind to clock drift",
+            4609,
+            50_000,
+            Bugs {
+                lease_ignores_drift: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "replica forgets its lease on restart",
+            5183,
+            200_000,
+            Bugs {
+                replica_forgets_lease_on_restart: true,
+                ..Default::default()
+            },
+        ),
+    ];
+    for (name, seed, lease, bug) in cases {
+        let cfg = |bugs: Bugs| {
+            let mut c = SimConfig::new(seed);
+            c.zombie_faults_only = true;
+            c.zombie_clients = true;
+            c.drift_ppm = 200_000;
+            c.read_lease_us = lease;
+            c.bugs = bugs;
+            c
+        };
+        let ok = run(cfg(Bugs::default()));
+        assert!(
+            ok.violations.is_empty(),
+            "{name}, correct: {:?}",
+            ok.violations
+        );
+        let bad = run(cfg(bug));
+        assert!(
+            bad.violations.iter().any(|v| v.contains("stale read")),
+            "{name}: seed {seed} no longer catches it: {:?}",
+            bad.violations
+        );
+    }
+}
+
 /// With leases held, reads take no ping round; when they lapse, reads
 /// fall back to ping rounds and renewals bring the leases back.
 #[test]

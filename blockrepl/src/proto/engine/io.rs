@@ -258,6 +258,8 @@ impl Engine {
             return self.peer_failed_with(from, "bad lease answer", Some(Ctx::Lease { sent }));
         };
         self.peers[from].lease_asked = false;
+        // Never more than asked (a replica answering with more is wrong).
+        let granted_us = granted_us.min(self.cfg.read_lease_us);
         // The replica's clock may run fast by ρ and ours slow by ρ: of
         // `granted` on its clock we may count `granted·(1−ρ)/(1+ρ)` on ours,
         // from when we asked (it granted later, so its lease ends later).

@@ -244,8 +244,28 @@ pub fn found(console: &str) -> Option<u64> {
     })
 }
 
+/// Reads a console log (empty while it does not exist yet).
+///
+/// A live console (`launchers/<uid>/console.log`) is renamed to
+/// `launchers/<uid>.console.log` when the agent cleans up an ended
+/// launcher, possibly between [`console_of`] and this read; the rename is
+/// atomic, so a live path that is gone is read at the kept path instead.
 pub fn read_console(path: &Path) -> String {
-    String::from_utf8_lossy(&std::fs::read(path).unwrap_or_default()).into_owned()
+    let data = std::fs::read(path).or_else(|e| match kept_console(path) {
+        Some(kept) if e.kind() == std::io::ErrorKind::NotFound => std::fs::read(kept),
+        _ => Err(e),
+    });
+    String::from_utf8_lossy(&data.unwrap_or_default()).into_owned()
+}
+
+/// `launchers/<uid>.console.log` for a live `launchers/<uid>/console.log`.
+fn kept_console(live: &Path) -> Option<PathBuf> {
+    if live.file_name()? != "console.log" {
+        return None;
+    }
+    let dir = live.parent()?;
+    let uid = dir.file_name()?.to_str()?;
+    Some(dir.parent()?.join(format!("{uid}.console.log")))
 }
 
 /// Waits until the console at `path` satisfies `pred` (the file has no

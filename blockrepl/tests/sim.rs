@@ -784,21 +784,19 @@ fn read_leases_stop_zombie_reads_and_each_lease_bug_is_caught() {
         ),
     ];
     for (name, scenario, bug) in cases {
-        let ok = scenario(Bugs::default());
-        let v = check(&ok, 0);
-        assert!(
-            v.violations.is_empty(),
-            "{name}, correct: {:?}",
-            v.violations
-        );
-        let bad = scenario(bug);
-        let v = check(&bad, 0);
-        assert!(
-            v.violations.iter().any(|s| s.contains("stale read")),
-            "{name}: the oracle did not catch the zombie read: {:?}",
-            v.violations
-        );
+        let ok = check(&scenario(Bugs::default()), 0).violations;
+        let bad = check(&scenario(bug), 0).violations;
+        assert_only_the_bug_reads_stale(name, &ok, &bad);
     }
+}
+
+/// The correct protocol has no violation and the buggy one a stale read.
+fn assert_only_the_bug_reads_stale(name: &str, ok: &[String], bad: &[String]) {
+    assert!(ok.is_empty(), "{name}, correct: {ok:?}");
+    assert!(
+        bad.iter().any(|v| v.contains("stale read")),
+        "{name}: the oracle did not catch the zombie read: {bad:?}"
+    );
 }
 
 /// The random zombie runs (zombie clients, splits, 20 % clock drift)
@@ -837,18 +835,9 @@ fn random_zombie_runs_catch_lease_bugs() {
             c.bugs = bugs;
             c
         };
-        let ok = run(cfg(Bugs::default()));
-        assert!(
-            ok.violations.is_empty(),
-            "{name}, correct: {:?}",
-            ok.violations
-        );
-        let bad = run(cfg(bug));
-        assert!(
-            bad.violations.iter().any(|v| v.contains("stale read")),
-            "{name}: seed {seed} no longer catches it: {:?}",
-            bad.violations
-        );
+        let ok = run(cfg(Bugs::default())).violations;
+        let bad = run(cfg(bug)).violations;
+        assert_only_the_bug_reads_stale(&format!("{name} (seed {seed})"), &ok, &bad);
     }
 }
 

@@ -44,6 +44,15 @@ use crate::store::Store;
 use crate::store::disk::{StdDir, StoreDir};
 use crate::types::{BLOCK_SIZE, BLOCK_SIZE_U64, ReplicaState};
 
+/// Default [`VolumeConfig::poll`] in µs.
+pub const DEFAULT_POLL_US: u64 = 50;
+
+/// Consecutive busy-poll windows that ended with no answer after which the
+/// engine stops polling for [`POLL_BACKOFF_WINDOWS`] windows.
+const POLL_MAX_MISSES: u32 = 4;
+/// Windows skipped after [`POLL_MAX_MISSES`] misses.
+const POLL_BACKOFF_WINDOWS: u32 = 64;
+
 /// Where one replica of a volume lives.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ReplicaTarget {
@@ -81,6 +90,14 @@ pub struct VolumeConfig {
     /// what the replicas grant (`sheaf-replica --max-lease-ms`, default
     /// 2 s).
     pub read_lease: Duration,
+    /// Busy-poll window of the engine task (docs/frontends.md "Busy-poll
+    /// in sheaf-blockd"): for up to this long after the last command or
+    /// replica answer the task yields to the runtime instead of letting it
+    /// park, so a current-thread runtime polls its sockets (replica links,
+    /// the frontend's client) without sleeping. Costs CPU; adaptive (stops
+    /// after a few empty windows); zero turns it off. Used only with
+    /// remote replicas.
+    pub poll: Duration,
 }
 
 impl VolumeConfig {
@@ -110,6 +127,7 @@ impl VolumeConfig {
             attach_timeout: Duration::from_secs(10),
             min_epoch: 0,
             read_lease: Duration::from_micros(crate::proto::engine::DEFAULT_READ_LEASE_US),
+            poll: Duration::from_micros(DEFAULT_POLL_US),
         }
     }
 }
@@ -277,6 +295,7 @@ impl Volume {
             }
         }
         drop(remote_tx);
+        let has_remote = links.iter().any(|l| matches!(l, LinkTx::Remote(_)));
         let mut engine = Engine::new(ecfg);
         engine.set_time(mono_us());
         let (tx, rx) = mpsc::unbounded_channel();
@@ -290,6 +309,7 @@ impl Volume {
             next_op: 1,
             size: size.clone(),
             phase_tx,
+            poll: Poller::new(if has_remote { cfg.poll } else { Duration::ZERO }),
         };
         tokio::spawn(d.run(rx, local_rx, remote_rx, cfg.tick));
         let wait = async {
@@ -527,6 +547,85 @@ struct Driver {
     next_op: u64,
     size: Arc<AtomicU64>,
     phase_tx: watch::Sender<Phase>,
+    poll: Poller,
+}
+
+/// The engine task's busy-poll state: a window of at most `window` after
+/// the last activity (a command or a replica answer) during which the task
+/// yields instead of waiting, so a current-thread runtime polls its
+/// sockets (`epoll_wait` with a zero timeout) instead of parking: a replica
+/// answer, or the client's next request after a completion, that arrives
+/// within the window costs no sleep and wake-up. Adaptive: after
+/// [`POLL_MAX_MISSES`] windows in a row ran out with nothing arriving, the
+/// next [`POLL_BACKOFF_WINDOWS`] windows are skipped (an idle volume stops
+/// spinning after a few windows).
+#[derive(Debug)]
+struct Poller {
+    window: Duration,
+    /// End of the current window.
+    until: Option<std::time::Instant>,
+    /// Something happened since the last window ran out.
+    armed: bool,
+    misses: u32,
+    skip: u32,
+}
+
+impl Poller {
+    fn new(window: Duration) -> Poller {
+        Poller {
+            window,
+            until: None,
+            armed: false,
+            misses: 0,
+            skip: 0,
+        }
+    }
+
+    /// A command or a replica answer arrived.
+    fn activity(&mut self) {
+        if self.window.is_zero() {
+            return;
+        }
+        self.armed = true;
+        if self.until.is_some() {
+            // The window caught something: keep polling from now on.
+            self.misses = 0;
+            self.until = Some(std::time::Instant::now() + self.window);
+        }
+    }
+
+    /// After the engine's outputs went out: opens a window if something
+    /// happened since the last one ran out.
+    fn update(&mut self) {
+        if self.window.is_zero() || self.until.is_some() || !self.armed {
+            return;
+        }
+        self.armed = false;
+        if self.skip > 0 {
+            self.skip -= 1;
+        } else {
+            self.until = Some(std::time::Instant::now() + self.window);
+        }
+    }
+
+    fn polling(&self) -> bool {
+        self.until.is_some()
+    }
+
+    /// One poll round went by with nothing arriving; closes the window
+    /// when it ran out.
+    fn tick(&mut self) {
+        if let Some(t) = self.until
+            && std::time::Instant::now() >= t
+        {
+            self.until = None;
+            self.misses += 1;
+            if self.misses >= POLL_MAX_MISSES {
+                self.misses = 0;
+                self.skip = POLL_BACKOFF_WINDOWS;
+            }
+        }
+    }
 }
 
 impl Driver {
@@ -541,9 +640,11 @@ impl Driver {
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         self.drain();
         loop {
+            let polling = self.poll.polling();
             tokio::select! {
                 c = cmds.recv() => {
                     let Some(CmdBox(c)) = c else { break };
+                    self.poll.activity();
                     self.command(c);
                     while let Ok(CmdBox(c)) = cmds.try_recv() {
                         self.command(c);
@@ -556,6 +657,7 @@ impl Driver {
                     }
                 }
                 Some((r, ev)) = remote_rx.recv() => {
+                    self.poll.activity();
                     self.remote_event(r, ev);
                     while let Ok((r, ev)) = remote_rx.try_recv() {
                         self.remote_event(r, ev);
@@ -565,8 +667,14 @@ impl Driver {
                     self.engine.set_time(mono_us());
                     self.engine.tick();
                 }
+                // Busy-poll: yielding lets the runtime poll its sockets
+                // without parking; we are polled again right after.
+                _ = tokio::task::yield_now(), if polling => {
+                    self.poll.tick();
+                }
             }
             self.drain();
+            self.poll.update();
             if self.engine.phase() == Phase::Detached && self.waiters.is_empty() {
                 break;
             }
@@ -759,5 +867,67 @@ impl BlockingVolume {
     pub fn detach(self) -> Result<()> {
         self.flush()?;
         self.run_all(vec![ClientOp::Detach]).map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poller_off_never_polls() {
+        let mut p = Poller::new(Duration::ZERO);
+        p.activity();
+        p.update();
+        assert!(!p.polling());
+    }
+
+    #[test]
+    fn poller_window_opens_after_activity_and_runs_out() {
+        let mut p = Poller::new(Duration::from_millis(1));
+        p.update();
+        assert!(!p.polling(), "no window without activity");
+        p.activity();
+        p.update();
+        assert!(p.polling());
+        p.tick();
+        assert!(p.polling(), "still inside the window");
+        std::thread::sleep(Duration::from_millis(2));
+        p.tick();
+        assert!(!p.polling(), "window ran out");
+        p.update();
+        assert!(!p.polling(), "no new window until something happens");
+    }
+
+    #[test]
+    fn poller_backs_off_after_empty_windows() {
+        let mut p = Poller::new(Duration::from_micros(1));
+        for _ in 0..POLL_MAX_MISSES {
+            p.activity();
+            p.update();
+            assert!(p.polling());
+            std::thread::sleep(Duration::from_micros(50));
+            p.tick();
+            assert!(!p.polling());
+        }
+        for _ in 0..POLL_BACKOFF_WINDOWS {
+            p.activity();
+            p.update();
+            assert!(!p.polling(), "skipped window");
+        }
+        p.activity();
+        p.update();
+        assert!(p.polling(), "polls again after the back-off");
+    }
+
+    #[test]
+    fn poller_answer_inside_window_resets_misses() {
+        let mut p = Poller::new(Duration::from_secs(60));
+        p.activity();
+        p.update();
+        p.misses = POLL_MAX_MISSES - 1;
+        p.activity();
+        assert_eq!(p.misses, 0);
+        assert!(p.polling());
     }
 }

@@ -56,6 +56,12 @@ struct VolumeArgs {
     /// Replicas that must hold a write before it is acknowledged.
     #[arg(long)]
     min_write_replicas: Option<usize>,
+    /// Busy-poll window (µs) of the volume engine while remote replicas
+    /// owe answers: the runtime polls its sockets instead of sleeping for
+    /// up to this long after the last answer (fewer wake-ups per request,
+    /// costs CPU). 0 turns it off.
+    #[arg(long, default_value_t = sheaf_blockrepl::volume::DEFAULT_POLL_US)]
+    poll_us: u64,
 }
 
 #[derive(Args, Debug)]
@@ -161,6 +167,7 @@ async fn attach(spec: &str, args: &VolumeArgs) -> anyhow::Result<Volume> {
     };
     let mut cfg = VolumeConfig::new(replicas, secret);
     cfg.min_write_replicas = args.min_write_replicas;
+    cfg.poll = std::time::Duration::from_micros(args.poll_us);
     Volume::attach(cfg)
         .await
         .with_context(|| format!("attach volume {spec}"))

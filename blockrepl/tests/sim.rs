@@ -398,7 +398,7 @@ mod zombie {
                     .windows(4096)
                     .position(|w| w == &pat[..])
                     .expect("block not found");
-                let mut f = d.open(name, false).unwrap();
+                let f = d.open(name, false).unwrap();
                 f.write_at(&[fill ^ 1], at as u64 + 100).unwrap();
             }
         }

@@ -22,7 +22,7 @@ use sheaf_blockrepl::store::format::{BlockMeta, Superblock, WalHeader};
 use sheaf_blockrepl::types::{ReplicaState, Tag};
 
 const BLOCKS: u64 = 16;
-const FILES: [&str; 4] = ["superblock", "wal", "layer-1.meta", "layer-1.data"];
+const FILES: [&str; 5] = ["superblock", "wal", "wal.1", "layer-1.meta", "layer-1.data"];
 
 /// Content of block `lba` written by write number `n`.
 fn value(lba: u64, n: u64) -> Vec<u8> {
@@ -50,7 +50,10 @@ fuzz_target!(|data: &[u8]| {
         for _ in 0..[6, 6, 4][phase] {
             n += 1;
             let lba = (n * 7) % BLOCKS;
-            if store.write(Tag::new(1, n), lba, 1, Some(&value(lba, n))).is_err() {
+            if store
+                .write(Tag::new(1, n), lba, 1, Some(&value(lba, n)))
+                .is_err()
+            {
                 return;
             }
         }
@@ -72,7 +75,7 @@ fuzz_target!(|data: &[u8]| {
         let len = (rest[4] as usize).min(rest.len() - 5);
         let bytes = &rest[5..5 + len];
         rest = &rest[5 + len..];
-        let Ok(mut f) = disk.open(file, false) else {
+        let Ok(f) = disk.open(file, false) else {
             continue;
         };
         match op % 4 {

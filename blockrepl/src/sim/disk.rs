@@ -235,7 +235,7 @@ impl StoreFile for SimFile {
         Ok(())
     }
 
-    fn write_at(&mut self, buf: &[u8], off: u64) -> io::Result<()> {
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
         let mut st = self.disk.lock();
         if st.faults.full {
             return Err(io::Error::new(
@@ -279,7 +279,7 @@ impl StoreFile for SimFile {
         Ok(())
     }
 
-    fn sync(&mut self) -> io::Result<()> {
+    fn sync(&self) -> io::Result<()> {
         let mut st = self.disk.lock();
         let f = st
             .files
@@ -300,7 +300,7 @@ impl StoreFile for SimFile {
             .map_or(0, |f| f.current.len() as u64))
     }
 
-    fn set_len(&mut self, len: u64) -> io::Result<()> {
+    fn set_len(&self, len: u64) -> io::Result<()> {
         let mut st = self.disk.lock();
         let f = st
             .files
@@ -356,5 +356,11 @@ impl StoreDir for SimDisk {
 
     fn boot_id(&self) -> u64 {
         self.lock().boot
+    }
+
+    fn background_checkpoints(&self) -> bool {
+        // Deterministic: checkpoint jobs run inline at points the store
+        // and the harness choose.
+        false
     }
 }

@@ -641,6 +641,19 @@ impl Sim {
                 let brief = tracing::enabled!(tracing::Level::TRACE).then(|| brief_req(&frame.req));
                 core.set_time(clock_now);
                 let resp = core.handle(frame.req);
+                // Finish a sealed WAL's deferred checkpoint at seeded
+                // moments (about one request in eight), so crashes with a
+                // sealed WAL outstanding are exercised. Drawn from a hash,
+                // not `self.rng`, to keep every seed's fault schedule.
+                let h = (self.now ^ ((to as u64) << 48) ^ self.cfg.seed)
+                    .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                if h >> 61 == 0
+                    && let Some(s) = core.store_mut()
+                {
+                    // An error leaves the job for the next operation,
+                    // which reports it.
+                    let _ = s.poll_checkpoint();
+                }
                 if let Some(req) = brief {
                     tracing::trace!(
                         replica = to,

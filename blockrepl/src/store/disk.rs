@@ -12,31 +12,35 @@ use std::path::{Path, PathBuf};
 
 /// One file of a replica store.
 ///
+/// Methods take `&self`: a checkpoint job writes layer files on another
+/// thread while the store thread reads them (positional I/O on one file
+/// from two threads is fine).
+///
 /// Reads past the end of the file return zeros (sparse semantics). Writes are
 /// durable only after [`StoreFile::sync`] returns.
 #[allow(clippy::len_without_is_empty)] // a file length, not a collection
-pub trait StoreFile: Send + fmt::Debug {
+pub trait StoreFile: Send + Sync + fmt::Debug {
     /// Reads exactly `buf.len()` bytes at `off`; bytes past the end read as zero.
     fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()>;
     /// Writes all of `buf` at `off`, growing the file if needed.
-    fn write_at(&mut self, buf: &[u8], off: u64) -> io::Result<()>;
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()>;
     /// Writes `head` then `tail` contiguously at `off` (a WAL record header
     /// and its data). The default concatenates and calls `write_at`;
     /// real files use one vectored write without copying the data.
-    fn write2_at(&mut self, head: &[u8], tail: &[u8], off: u64) -> io::Result<()> {
+    fn write2_at(&self, head: &[u8], tail: &[u8], off: u64) -> io::Result<()> {
         let mut rec = Vec::with_capacity(head.len() + tail.len());
         rec.extend_from_slice(head);
         rec.extend_from_slice(tail);
         self.write_at(&rec, off)
     }
     /// Makes every earlier write durable.
-    fn sync(&mut self) -> io::Result<()>;
+    fn sync(&self) -> io::Result<()>;
     /// Current length in bytes.
     fn len(&self) -> io::Result<u64>;
     /// Truncates or extends the file.
-    fn set_len(&mut self, len: u64) -> io::Result<()>;
+    fn set_len(&self, len: u64) -> io::Result<()>;
     /// Deallocates a range so it reads as zeros. The default writes zeros.
-    fn punch_hole(&mut self, off: u64, len: u64) -> io::Result<()> {
+    fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
         let zeros = vec![0u8; len as usize];
         self.write_at(&zeros, off)
     }
@@ -62,6 +66,13 @@ pub trait StoreDir: Send + fmt::Debug {
     /// process restart then counts as a power loss).
     fn boot_id(&self) -> u64 {
         process_boot_id()
+    }
+    /// Whether the store may run checkpoint jobs on a background thread
+    /// (real files). `false` runs them inline at deterministic points
+    /// ([`crate::store::Store::poll_checkpoint`], the next seal, or an
+    /// operation that needs them finished): the simulator.
+    fn background_checkpoints(&self) -> bool {
+        true
     }
 }
 
@@ -136,11 +147,11 @@ impl StoreFile for StdFile {
         Ok(())
     }
 
-    fn write_at(&mut self, buf: &[u8], off: u64) -> io::Result<()> {
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
         self.file.write_all_at(buf, off)
     }
 
-    fn write2_at(&mut self, head: &[u8], tail: &[u8], off: u64) -> io::Result<()> {
+    fn write2_at(&self, head: &[u8], tail: &[u8], off: u64) -> io::Result<()> {
         use std::os::fd::AsRawFd;
         let iov = [
             libc::iovec {
@@ -179,7 +190,7 @@ impl StoreFile for StdFile {
         }
     }
 
-    fn sync(&mut self) -> io::Result<()> {
+    fn sync(&self) -> io::Result<()> {
         self.file.sync_data()
     }
 
@@ -187,11 +198,11 @@ impl StoreFile for StdFile {
         Ok(self.file.metadata()?.len())
     }
 
-    fn set_len(&mut self, len: u64) -> io::Result<()> {
+    fn set_len(&self, len: u64) -> io::Result<()> {
         self.file.set_len(len)
     }
 
-    fn punch_hole(&mut self, off: u64, len: u64) -> io::Result<()> {
+    fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
         use std::os::fd::AsRawFd;
         let end = off + len;
         if end > self.len()? {

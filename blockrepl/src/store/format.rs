@@ -48,6 +48,9 @@ pub struct Superblock {
     /// SHA-256 is encoded as before the field existed (no flag, no byte),
     /// so such stores stay readable by older versions.
     pub checksum: BlockChecksum,
+    /// The second WAL file may hold live records (flag 8; older versions
+    /// refuse the store while it is set).
+    pub two_wal: bool,
 }
 
 const SB_OPEN: u8 = 1;
@@ -56,7 +59,11 @@ const SB_RECOVERED: u8 = 2;
 /// reject the unknown flag, so they refuse (instead of failing every
 /// block's checksum) a store that does not use SHA-256.
 const SB_CHECKSUM: u8 = 4;
-const SB_KNOWN: u8 = SB_OPEN | SB_RECOVERED | SB_CHECKSUM;
+/// The second WAL file (`wal.1`) may hold live records (checkpoints run
+/// off the write path, see the store). Versions before it replay only
+/// `wal`, so they must refuse such a store.
+const SB_TWO_WAL: u8 = 8;
+const SB_KNOWN: u8 = SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL;
 
 /// Why a superblock slot was not decoded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -182,7 +189,8 @@ impl Superblock {
             let legacy = self.checksum == BlockChecksum::Sha256;
             let flags = if self.open { SB_OPEN } else { 0 }
                 | if self.recovered { SB_RECOVERED } else { 0 }
-                | if legacy { 0 } else { SB_CHECKSUM };
+                | if legacy { 0 } else { SB_CHECKSUM }
+                | if self.two_wal { SB_TWO_WAL } else { 0 };
             w.put(&[flags])?;
             if !legacy {
                 w.put(&[self.checksum.code()])?;
@@ -260,6 +268,7 @@ impl Superblock {
             open: flags & SB_OPEN != 0,
             recovered: flags & SB_RECOVERED != 0,
             checksum,
+            two_wal: flags & SB_TWO_WAL != 0,
         }))
     }
 }
@@ -519,7 +528,32 @@ mod tests {
             open: true,
             recovered: true,
             checksum: BlockChecksum::Xxh3,
+            two_wal: false,
         }
+    }
+
+    #[test]
+    fn two_wal_flag_roundtrips_and_older_versions_refuse_it() {
+        let s = Superblock {
+            two_wal: true,
+            ..sb()
+        };
+        let b = s.encode().unwrap();
+        assert_eq!(Superblock::decode(&b), Ok(s.clone()));
+        let f = flags_at(&s);
+        assert_eq!(b[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL);
+        // The versions before the flag knew exactly these bits and refuse
+        // any other with UnknownFlags.
+        let old_known = SB_OPEN | SB_RECOVERED | SB_CHECKSUM;
+        assert_ne!(b[f] & !old_known, 0);
+        // Without it, the encoding is unchanged.
+        let b0 = Superblock {
+            two_wal: false,
+            ..s
+        }
+        .encode()
+        .unwrap();
+        assert_eq!(b0[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM);
     }
 
     #[test]

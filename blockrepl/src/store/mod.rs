@@ -4,6 +4,8 @@
 //! ```text
 //!  superblock   two 4 KiB slots, written alternately (generation + CRC)
 //!  wal          write-ahead log: every mutation is appended here first
+//!  wal.1        the second WAL: appended to while the other one is sealed
+//!               and checkpointed off the write path (see `Store::seal`)
 //!  layer-N.data sparse data file of layer N (block b at b * 4096)
 //!  layer-N.meta per-block metadata of layer N (tag, CRC covering the address)
 //! ```
@@ -25,6 +27,9 @@ pub mod disk;
 pub mod format;
 
 use std::collections::{BTreeSet, HashMap};
+use std::io;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use tracing::{debug, warn};
 
@@ -40,7 +45,10 @@ use format::{
 };
 
 const SB_NAME: &str = "superblock";
-const WAL_NAME: &str = "wal";
+/// The two WAL files: the store appends to one while the other, sealed,
+/// is checkpointed (file 1 only holds live records while the superblock
+/// has its `two_wal` flag).
+const WAL_NAMES: [&str; 2] = ["wal", "wal.1"];
 /// WAL size above which a flush also checkpoints.
 const CHECKPOINT_BYTES: u64 = 64 << 20;
 /// Hard WAL bound, as a multiple of the flush checkpoint size: an append
@@ -52,8 +60,8 @@ const WAL_LIMIT_FACTOR: u64 = 2;
 enum Loc {
     /// In the layer's data file (or nowhere, for zero blocks).
     Layer,
-    /// In the WAL, data at this offset.
-    Wal(u64),
+    /// In WAL file `.0` (index into [`WAL_NAMES`]), data at offset `.1`.
+    Wal(usize, u64),
     /// The metadata entry itself is damaged.
     Damaged,
 }
@@ -67,8 +75,8 @@ struct Entry {
 #[derive(Debug)]
 struct Layer {
     info: LayerInfo,
-    data: Box<dyn StoreFile>,
-    meta: Box<dyn StoreFile>,
+    data: Arc<dyn StoreFile>,
+    meta: Arc<dyn StoreFile>,
     blocks: HashMap<u64, Entry>,
 }
 
@@ -90,13 +98,105 @@ pub struct Store {
     dir: Box<dyn StoreDir>,
     sb_file: Box<dyn StoreFile>,
     sb: Superblock,
-    wal: Box<dyn StoreFile>,
+    /// Both WAL files ([`WAL_NAMES`]).
+    wals: [Arc<dyn StoreFile>; 2],
+    /// The WAL file appended to.
+    cur: usize,
+    /// Generation of the records appended to `wals[cur]` (the superblock's
+    /// `wal_gen` while nothing is sealed, one more while a WAL is sealed).
+    wgen: u64,
+    /// Length of `wals[cur]`.
     wal_len: u64,
+    /// `wals[cur]` holds a record that is not ordered (set_block): it is
+    /// synced when sealed (see [`Store::seal`]).
+    wal_unordered: bool,
     layers: Vec<Layer>,
     position: Tag,
-    /// (layer id, lba) with WAL-resident changes not yet checkpointed.
+    /// (layer id, lba) with changes in `wals[cur]` not yet checkpointed.
     dirty: BTreeSet<(u64, u64)>,
+    /// The sealed WAL and its checkpoint job, until finished.
+    sealed: Option<Sealed>,
+    /// Run checkpoint jobs on a thread (else inline, deferred).
+    background: bool,
     checkpoint_bytes: u64,
+}
+
+/// A sealed WAL whose checkpoint has not finished.
+#[derive(Debug)]
+struct Sealed {
+    /// Index of the sealed WAL file.
+    file: usize,
+    /// Live position when it was sealed (the superblock's after finish).
+    position: Tag,
+    /// Blocks whose changes it holds.
+    dirty: BTreeSet<(u64, u64)>,
+    /// The checkpoint I/O (re-run inline after a failure).
+    job: Arc<CheckpointJob>,
+    /// The thread running `job`, if one does.
+    running: Option<JoinHandle<io::Result<()>>>,
+    /// The sealed file is known durable (synced by a flush or at seal).
+    synced: bool,
+}
+
+/// One step of a checkpoint's I/O.
+#[derive(Debug)]
+enum JobOp {
+    /// Copy `len` bytes at `src_off` of WAL file `src` to layer `li`'s data.
+    Copy {
+        src: usize,
+        li: usize,
+        src_off: u64,
+        dst_off: u64,
+        len: usize,
+    },
+    /// Punch a hole in layer `li`'s data.
+    Punch { li: usize, off: u64, len: u64 },
+    /// Write metadata entries to layer `li`'s meta file.
+    Meta { li: usize, off: u64, bytes: Vec<u8> },
+}
+
+/// The I/O of one checkpoint, computed on the store thread so it can run
+/// anywhere: sync the WAL files it copies from, copy, sync the layer files.
+#[derive(Debug)]
+struct CheckpointJob {
+    wals: [Arc<dyn StoreFile>; 2],
+    sync_wals: Vec<usize>,
+    /// (data, meta) of every layer, by index at build time.
+    layers: Vec<(Arc<dyn StoreFile>, Arc<dyn StoreFile>)>,
+    touched: BTreeSet<usize>,
+    ops: Vec<JobOp>,
+}
+
+impl CheckpointJob {
+    fn run(&self) -> io::Result<()> {
+        // Layer files are only written with data already durable in a WAL.
+        for &f in &self.sync_wals {
+            self.wals[f].sync()?;
+        }
+        let mut buf = Vec::new();
+        for op in &self.ops {
+            match op {
+                JobOp::Copy {
+                    src,
+                    li,
+                    src_off,
+                    dst_off,
+                    len,
+                } => {
+                    buf.resize(*len, 0);
+                    self.wals[*src].read_at(&mut buf, *src_off)?;
+                    self.layers[*li].0.write_at(&buf, *dst_off)?;
+                }
+                JobOp::Punch { li, off, len } => self.layers[*li].0.punch_hole(*off, *len)?,
+                JobOp::Meta { li, off, bytes } => self.layers[*li].1.write_at(bytes, *off)?,
+            }
+        }
+        for &li in &self.touched {
+            self.layers[li].0.sync()?;
+            self.layers[li].1.sync()?;
+        }
+        Ok(())
+    }
 }
 
 /// Longest checkpoint copy run (blocks).
@@ -105,6 +205,7 @@ const MAX_RUN: u64 = 256;
 /// Consecutive blocks of one layer whose data sits consecutively in the WAL.
 #[derive(Default)]
 struct CopyRun {
+    file: usize,
     li: usize,
     lba: u64,
     wal_off: u64,
@@ -113,9 +214,10 @@ struct CopyRun {
 
 impl CopyRun {
     /// Appends block `lba` at WAL offset `off` if it continues the run.
-    fn extends(&mut self, li: usize, lba: u64, off: u64) -> bool {
+    fn extends(&mut self, file: usize, li: usize, lba: u64, off: u64) -> bool {
         let ok = self.blocks > 0
             && self.blocks < MAX_RUN
+            && self.file == file
             && self.li == li
             && self.lba + self.blocks == lba
             && self.wal_off + self.blocks * BLOCK_SIZE_U64 == off;
@@ -130,7 +232,8 @@ impl CopyRun {
 /// read, expected checksum)` each.
 struct ReadRun {
     li: usize,
-    wal: bool,
+    /// WAL file index, or `None` for the layer's data file.
+    wal: Option<usize>,
     off: u64,
     blocks: Vec<(usize, u32)>,
 }
@@ -173,7 +276,7 @@ impl Store {
         checksum: BlockChecksum,
     ) -> Result<Store> {
         for name in dir.list().map_err(Error::store("list"))? {
-            if name == SB_NAME || name == WAL_NAME || name.starts_with("layer-") {
+            if name == SB_NAME || WAL_NAMES.contains(&name.as_str()) || name.starts_with("layer-") {
                 dir.remove(&name).map_err(Error::store("remove"))?;
             }
         }
@@ -195,23 +298,30 @@ impl Store {
             open: false,
             recovered: false,
             checksum,
+            two_wal: false,
         };
-        let mut sb_file = dir.open(SB_NAME, true).map_err(Error::store("create"))?;
+        let sb_file = dir.open(SB_NAME, true).map_err(Error::store("create"))?;
         sb_file
             .set_len(2 * SB_SLOT as u64)
             .map_err(Error::store("create"))?;
-        let wal = dir.open(WAL_NAME, true).map_err(Error::store("create"))?;
+        let wals = Self::open_wals(&*dir, "create")?;
         let layer = Self::open_layer(&*dir, head, true)?;
         dir.sync_dir().map_err(Error::store("create"))?;
+        let background = dir.background_checkpoints();
         let mut s = Store {
             dir,
             sb_file,
             sb,
-            wal,
+            wals,
+            cur: 0,
+            wgen: 1,
             wal_len: 0,
+            wal_unordered: false,
             layers: vec![layer],
             position: Tag::default(),
             dirty: BTreeSet::new(),
+            sealed: None,
+            background,
             checkpoint_bytes: CHECKPOINT_BYTES,
         };
         s.write_sb()?;
@@ -275,22 +385,50 @@ impl Store {
             Self::load_meta(&mut layer, sb.size_blocks)?;
             layers.push(layer);
         }
-        let wal = dir.open(WAL_NAME, true).map_err(Error::store("open"))?;
+        // The second WAL may be new (a store of an older version): its
+        // directory entry must be durable before records in it count.
+        let wals = Self::open_wals(&*dir, "open")?;
+        dir.sync_dir().map_err(Error::store("open"))?;
         let position = sb.position;
+        let wgen = sb.wal_gen;
+        let background = dir.background_checkpoints();
         let mut s = Store {
             dir,
             sb_file,
             sb,
-            wal,
+            wals,
+            cur: 0,
+            wgen,
             wal_len: 0,
+            wal_unordered: false,
             layers,
             position,
             dirty: BTreeSet::new(),
+            sealed: None,
+            background,
             checkpoint_bytes: CHECKPOINT_BYTES,
         };
-        s.replay_wal()?;
+        // Generation wal_gen is in whichever file starts with it; if a
+        // WAL was sealed (flag set), generation wal_gen + 1 continues in
+        // the other file. The position check of ordered records stops the
+        // second file at once if the first lost its tail.
+        let first = (0..2).find(|&f| s.replay_file(f, wgen) > 0);
+        if let Some(f) = first
+            && s.sb.two_wal
+        {
+            s.replay_file(1 - f, wgen + 1);
+        }
+        // Both files are checkpointed and truncated: the new generation
+        // must differ from every one they may still hold.
+        s.wgen = wgen + 1;
         s.checkpoint()?;
         Ok(s)
+    }
+
+    fn open_wals(dir: &dyn StoreDir, what: &'static str) -> Result<[Arc<dyn StoreFile>; 2]> {
+        let a = dir.open(WAL_NAMES[0], true).map_err(Error::store(what))?;
+        let b = dir.open(WAL_NAMES[1], true).map_err(Error::store(what))?;
+        Ok([Arc::from(a), Arc::from(b)])
     }
 
     fn open_layer(dir: &dyn StoreDir, info: LayerInfo, create: bool) -> Result<Layer> {
@@ -299,8 +437,8 @@ impl Store {
         let meta = dir.open(&m, create).map_err(Error::store("open layer"))?;
         Ok(Layer {
             info,
-            data,
-            meta,
+            data: Arc::from(data),
+            meta: Arc::from(meta),
             blocks: HashMap::new(),
         })
     }
@@ -358,23 +496,28 @@ impl Store {
         }
     }
 
-    fn replay_wal(&mut self) -> Result<()> {
-        let len = self.wal.len().map_err(Error::store("read wal"))?;
+    /// Replays the valid prefix of generation `gen` records at the start of
+    /// WAL file `f`; returns how many records it applied.
+    fn replay_file(&mut self, f: usize, wgen: u64) -> u64 {
+        let wal = self.wals[f].clone();
+        let Ok(len) = wal.len() else {
+            return 0;
+        };
         let mut off = 0u64;
         let mut hdr = [0u8; WAL_HDR];
         let mut replayed = 0u64;
         while off + WAL_HDR as u64 <= len {
-            if self.wal.read_at(&mut hdr, off).is_err() {
+            if wal.read_at(&mut hdr, off).is_err() {
                 break;
             }
             let Some(h) = WalHeader::decode(&hdr) else {
                 break;
             };
-            if h.wal_gen != self.sb.wal_gen {
+            if h.wal_gen != wgen {
                 break;
             }
             let mut data = vec![0u8; h.data_len()];
-            if self.wal.read_at(&mut data, off + WAL_HDR as u64).is_err() {
+            if wal.read_at(&mut data, off + WAL_HDR as u64).is_err() {
                 break;
             }
             if !WalHeader::check(&hdr, &data) {
@@ -383,19 +526,27 @@ impl Store {
             if h.kind.ordered() && h.tag.index != self.position.index + 1 {
                 break;
             }
-            if self.apply_record(&h, &data, off).is_err() {
+            if self.apply_record(&h, &data, f, off).is_err() {
                 break;
             }
             off += (WAL_HDR + data.len()) as u64;
             replayed += 1;
         }
-        debug!(records = replayed, bytes = off, "wal replayed");
-        self.wal_len = off;
-        Ok(())
+        if replayed > 0 {
+            debug!(
+                file = f,
+                wgen,
+                records = replayed,
+                bytes = off,
+                "wal replayed"
+            );
+        }
+        replayed
     }
 
-    /// Updates the in-memory index for a record whose data is at `off + WAL_HDR`.
-    fn apply_record(&mut self, h: &WalHeader, data: &[u8], off: u64) -> Result<()> {
+    /// Updates the in-memory index for a record whose data is at `off + WAL_HDR`
+    /// of WAL file `f`.
+    fn apply_record(&mut self, h: &WalHeader, data: &[u8], f: usize, off: u64) -> Result<()> {
         if h.lba.saturating_add(h.nblocks as u64) > self.sb.size_blocks {
             return Err(Error::Corrupt("wal record past end of volume".into()));
         }
@@ -413,7 +564,7 @@ impl Store {
                             crc: self.sb.checksum.block(lba, chunk),
                             flags: META_PRESENT,
                         },
-                        loc: Loc::Wal(off + WAL_HDR as u64 + i * BLOCK_SIZE_U64),
+                        loc: Loc::Wal(f, off + WAL_HDR as u64 + i * BLOCK_SIZE_U64),
                     })
                 }
                 WalKind::Zero | WalKind::SetZero => Some(Entry {
@@ -444,23 +595,176 @@ impl Store {
     }
 
     fn append(&mut self, mut h: WalHeader, data: &[u8]) -> Result<()> {
+        self.reap()?;
         let rec = (WAL_HDR + data.len()) as u64;
         if self.wal_len > 0 && self.wal_len + rec > self.wal_limit() {
-            // Nobody flushed for a long time: make the WAL's content durable
-            // and move it into the layer files now (only makes unflushed
-            // writes durable earlier, which every caller allows). Every
-            // record so far is fully applied, so this is a consistent point.
-            debug!(wal_bytes = self.wal_len, "wal limit reached, checkpointing");
-            self.checkpoint()?;
-            h.wal_gen = self.sb.wal_gen;
+            // Nobody flushed for a long time: seal this WAL and checkpoint
+            // it off the write path (only makes unflushed writes durable
+            // earlier, which every caller allows). Every record so far is
+            // fully applied, so this is a consistent point.
+            debug!(wal_bytes = self.wal_len, "wal limit reached, sealing");
+            self.seal()?;
+        }
+        h.wal_gen = self.wgen;
+        if !h.kind.ordered() {
+            // Replay of the next WAL has no position check for this
+            // record: the sealed one must not lose a tail under it.
+            self.sync_sealed()?;
+            self.wal_unordered = true;
         }
         let hdr = h.encode(data);
         let off = self.wal_len;
-        self.wal
+        self.wals[self.cur]
             .write2_at(&hdr, data, off)
             .map_err(Error::store("append wal"))?;
         self.wal_len += (WAL_HDR + data.len()) as u64;
-        self.apply_record(&h, data, off)
+        self.apply_record(&h, data, self.cur, off)
+    }
+
+    /// Syncs the sealed WAL unless known durable.
+    fn sync_sealed(&mut self) -> Result<()> {
+        if let Some(s) = self.sealed.as_mut()
+            && !s.synced
+        {
+            self.wals[s.file]
+                .sync()
+                .map_err(Error::store("sync sealed wal"))?;
+            s.synced = true;
+        }
+        Ok(())
+    }
+
+    /// Seals the current WAL: later records go to the other file as the
+    /// next generation, and a checkpoint job for the sealed one starts (on
+    /// a thread, or deferred). Waits for a job still in flight first.
+    fn seal(&mut self) -> Result<()> {
+        self.settle()?;
+        if self.wal_len == 0 {
+            return Ok(());
+        }
+        if !self.sb.two_wal {
+            // Versions that replay only `wal` must refuse the store from
+            // before the first record lands in the other file.
+            self.sb.two_wal = true;
+            self.write_sb()?;
+        }
+        let synced = self.wal_unordered;
+        if synced {
+            self.wals[self.cur]
+                .sync()
+                .map_err(Error::store("sync wal"))?;
+        }
+        let dirty = std::mem::take(&mut self.dirty);
+        let sync_wals = if synced { vec![] } else { vec![self.cur] };
+        let job = Arc::new(self.build_job(&dirty, sync_wals));
+        let running = if self.background {
+            let j = job.clone();
+            let spawned = std::thread::Builder::new()
+                .name("store-checkpoint".into())
+                .spawn(move || j.run());
+            match spawned {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    warn!(error = %e, "no checkpoint thread, checkpointing inline");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        self.sealed = Some(Sealed {
+            file: self.cur,
+            position: self.position,
+            dirty,
+            job,
+            running,
+            synced,
+        });
+        self.cur = 1 - self.cur;
+        self.wgen += 1;
+        self.wal_len = 0;
+        self.wal_unordered = false;
+        Ok(())
+    }
+
+    /// Finishes a background checkpoint job that has completed (cheap
+    /// otherwise); deferred jobs are left alone.
+    fn reap(&mut self) -> Result<()> {
+        if self
+            .sealed
+            .as_ref()
+            .is_some_and(|s| s.running.as_ref().is_some_and(JoinHandle::is_finished))
+        {
+            self.settle()?;
+        }
+        Ok(())
+    }
+
+    /// Finishes the checkpoint of a sealed WAL if it can without waiting:
+    /// a completed background job, or a deferred job (run now, inline).
+    /// The simulator calls it at seeded moments.
+    pub fn poll_checkpoint(&mut self) -> Result<()> {
+        match &self.sealed {
+            Some(s) if s.running.as_ref().is_some_and(|h| !h.is_finished()) => Ok(()),
+            Some(_) => self.settle(),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether a sealed WAL's checkpoint is outstanding (tests).
+    pub fn checkpoint_pending(&self) -> bool {
+        self.sealed.is_some()
+    }
+
+    /// Runs a deferred checkpoint job without finishing it (tests: a crash
+    /// between the job and the superblock write).
+    #[cfg(test)]
+    fn run_job_only(&mut self) -> io::Result<()> {
+        match &self.sealed {
+            Some(s) if s.running.is_none() => s.job.run(),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits for (or runs) the checkpoint job of a sealed WAL and finishes
+    /// it. On an error the sealed WAL stays, with the index still pointing
+    /// into it, and the job is run again by the next call.
+    fn settle(&mut self) -> Result<()> {
+        let Some(mut s) = self.sealed.take() else {
+            return Ok(());
+        };
+        let res = match s.running.take() {
+            Some(h) => h
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("checkpoint thread panicked"))),
+            None => s.job.run(),
+        };
+        if let Err(e) = res {
+            self.sealed = Some(s);
+            return Err(Error::store("checkpoint")(e));
+        }
+        // The sealed WAL's content is in the layer files: the superblock
+        // moves past its generation, then its space is reused.
+        let (pos, wgen) = (self.sb.position, self.sb.wal_gen);
+        self.sb.position = s.position;
+        self.sb.wal_gen = self.wgen;
+        if let Err(e) = self.write_sb() {
+            self.sb.position = pos;
+            self.sb.wal_gen = wgen;
+            self.sealed = Some(s);
+            return Err(e);
+        }
+        for &(layer, lba) in &s.dirty {
+            if let Some(li) = self.layer_index(layer)
+                && let Some(e) = self.layers[li].blocks.get_mut(&lba)
+                && matches!(e.loc, Loc::Wal(f, _) if f == s.file)
+            {
+                e.loc = Loc::Layer;
+            }
+        }
+        self.wals[s.file]
+            .set_len(0)
+            .map_err(Error::store("truncate wal"))
     }
 
     fn layer_index(&self, id: u64) -> Option<usize> {
@@ -513,6 +817,7 @@ impl Store {
     /// Persists a new epoch and its engine (synced before returning).
     /// The replica is open for writes from then on (see [`Store::close`]).
     pub fn set_epoch(&mut self, epoch: u64, engine: u64) -> Result<()> {
+        self.settle()?;
         self.sb.epoch = epoch;
         self.sb.engine = engine;
         self.sb.open = true;
@@ -525,6 +830,7 @@ impl Store {
         if self.sb.open {
             return Ok(());
         }
+        self.settle()?;
         self.sb.open = true;
         self.write_sb()
     }
@@ -549,6 +855,7 @@ impl Store {
         if !self.sb.recovered {
             return Ok(());
         }
+        self.settle()?;
         self.sb.recovered = false;
         self.write_sb()
     }
@@ -568,7 +875,7 @@ impl Store {
         };
         let h = WalHeader {
             kind,
-            wal_gen: self.sb.wal_gen,
+            wal_gen: self.wgen,
             layer: self.head_id(),
             tag,
             lba,
@@ -596,7 +903,7 @@ impl Store {
         };
         let h = WalHeader {
             kind,
-            wal_gen: self.sb.wal_gen,
+            wal_gen: self.wgen,
             layer,
             tag,
             lba,
@@ -621,7 +928,7 @@ impl Store {
         }
         let h = WalHeader {
             kind: WalKind::SetData,
-            wal_gen: self.sb.wal_gen,
+            wal_gen: self.wgen,
             layer,
             tag,
             lba,
@@ -680,7 +987,7 @@ impl Store {
         let res = match e.loc {
             Loc::Damaged => return false,
             Loc::Layer => self.layers[li].data.read_at(out, lba * BLOCK_SIZE_U64),
-            Loc::Wal(off) => self.wal.read_at(out, off),
+            Loc::Wal(f, off) => self.wals[f].read_at(out, off),
         };
         res.is_ok() && self.sb.checksum.block(lba, out) == e.meta.crc
     }
@@ -705,8 +1012,8 @@ impl Store {
                     found = true;
                     let file = match e.loc {
                         _ if e.meta.is_zero() => None,
-                        Loc::Layer => Some((li, false, b * BLOCK_SIZE_U64)),
-                        Loc::Wal(off) => Some((li, true, off)),
+                        Loc::Layer => Some((li, None, b * BLOCK_SIZE_U64)),
+                        Loc::Wal(f, off) => Some((li, Some(f), off)),
                         Loc::Damaged => None,
                     };
                     match file {
@@ -756,10 +1063,9 @@ impl Store {
     /// in `out` (`out` starts at block `lba`) and verifies each; a failed
     /// run read falls back to block reads so only unreadable blocks are bad.
     fn read_run(&self, lba: u64, run: &ReadRun, out: &mut [u8], bad: &mut Vec<(u64, u64)>) {
-        let file = if run.wal {
-            &self.wal
-        } else {
-            &self.layers[run.li].data
+        let file: &dyn StoreFile = match run.wal {
+            Some(f) => &*self.wals[f],
+            None => &*self.layers[run.li].data,
         };
         let layer_id = self.layers[run.li].info.id;
         let (first, _) = run.blocks[0];
@@ -815,9 +1121,18 @@ impl Store {
     /// Makes every applied write durable (syncs the WAL); checkpoints when
     /// the WAL has grown large.
     pub fn flush(&mut self) -> Result<()> {
-        self.wal.sync().map_err(Error::store("sync wal"))?;
+        self.reap()?;
+        // Sealed first: the next WAL's records only count after it.
+        self.sync_sealed()?;
+        self.wals[self.cur]
+            .sync()
+            .map_err(Error::store("sync wal"))?;
         if self.wal_len > self.checkpoint_bytes {
-            self.checkpoint()?;
+            // Waits for a job still in flight (backpressure).
+            self.seal()?;
+            if let Some(s) = self.sealed.as_mut() {
+                s.synced = true;
+            }
         }
         Ok(())
     }
@@ -841,40 +1156,91 @@ impl Store {
     }
 
     /// Copies WAL-resident blocks into the layer files, syncs them, and starts
-    /// a new WAL generation.
+    /// a new WAL generation (finishing a sealed WAL's checkpoint first).
     pub fn checkpoint(&mut self) -> Result<()> {
-        self.wal.sync().map_err(Error::store("sync wal"))?;
+        self.settle()?;
         let dirty = std::mem::take(&mut self.dirty);
+        let job = self.build_job(&dirty, vec![0, 1]);
+        if let Err(e) = job.run() {
+            self.dirty = dirty;
+            return Err(Error::store("checkpoint")(e));
+        }
+        self.sb.position = self.position;
+        self.sb.wal_gen = self.wgen + 1;
+        // Both files are emptied below and the new generation is in `wal`:
+        // older versions may open the store again.
+        self.sb.two_wal = false;
+        self.write_sb()?;
+        for &(layer, lba) in &dirty {
+            if let Some(li) = self.layer_index(layer)
+                && let Some(e) = self.layers[li].blocks.get_mut(&lba)
+                && matches!(e.loc, Loc::Wal(..))
+            {
+                e.loc = Loc::Layer;
+            }
+        }
+        for w in &self.wals {
+            w.set_len(0).map_err(Error::store("truncate wal"))?;
+        }
+        self.cur = 0;
+        self.wgen = self.sb.wal_gen;
+        self.wal_len = 0;
+        self.wal_unordered = false;
+        Ok(())
+    }
+
+    /// The I/O that moves the changes of `dirty` (as the index has them
+    /// now) into the layer files, after syncing WAL files `sync_wals`.
+    /// Contiguous blocks are copied and their metadata written in runs.
+    fn build_job(&self, dirty: &BTreeSet<(u64, u64)>, sync_wals: Vec<usize>) -> CheckpointJob {
+        let mut ops = Vec::new();
         let mut touched = BTreeSet::new();
-        // Contiguous blocks are copied and their metadata written in runs
-        // (one read and one write per run instead of three calls per block).
         let mut data_run = CopyRun::default();
         let mut meta_run = MetaRun::default();
-        for &(layer, lba) in &dirty {
+        let flush_copy = |run: &CopyRun, ops: &mut Vec<JobOp>| {
+            if run.blocks > 0 {
+                ops.push(JobOp::Copy {
+                    src: run.file,
+                    li: run.li,
+                    src_off: run.wal_off,
+                    dst_off: run.lba * BLOCK_SIZE_U64,
+                    len: run.blocks as usize * BLOCK_SIZE,
+                });
+            }
+        };
+        let flush_meta = |run: &mut MetaRun, ops: &mut Vec<JobOp>| {
+            if !run.bytes.is_empty() {
+                ops.push(JobOp::Meta {
+                    li: run.li,
+                    off: run.lba * META_SIZE as u64,
+                    bytes: std::mem::take(&mut run.bytes),
+                });
+            }
+        };
+        for &(layer, lba) in dirty {
             let Some(li) = self.layer_index(layer) else {
                 continue;
             };
             touched.insert(li);
-            let entry = self.layers[li].blocks.get(&lba).copied();
-            let meta_bytes = match entry {
+            let punch = JobOp::Punch {
+                li,
+                off: lba * BLOCK_SIZE_U64,
+                len: BLOCK_SIZE_U64,
+            };
+            let meta_bytes = match self.layers[li].blocks.get(&lba) {
                 None => {
-                    self.layers[li]
-                        .data
-                        .punch_hole(lba * BLOCK_SIZE_U64, BLOCK_SIZE_U64)
-                        .map_err(Error::store("checkpoint"))?;
+                    ops.push(punch);
                     [0u8; META_SIZE]
                 }
                 Some(e) => {
                     if e.meta.is_zero() {
-                        self.layers[li]
-                            .data
-                            .punch_hole(lba * BLOCK_SIZE_U64, BLOCK_SIZE_U64)
-                            .map_err(Error::store("checkpoint"))?;
-                    } else if let Loc::Wal(off) = e.loc
-                        && !data_run.extends(li, lba, off)
+                        ops.push(punch);
+                    } else if let Loc::Wal(f, off) = e.loc
+                        && !data_run.extends(f, li, lba, off)
                     {
-                        self.copy_run(&data_run)?;
+                        flush_copy(&data_run, &mut ops);
                         data_run = CopyRun {
+                            file: f,
                             li,
                             lba,
                             wal_off: off,
@@ -885,62 +1251,25 @@ impl Store {
                 }
             };
             if !meta_run.extends(li, lba) {
-                self.write_meta_run(&meta_run)?;
+                flush_meta(&mut meta_run, &mut ops);
                 meta_run.li = li;
                 meta_run.lba = lba;
-                meta_run.bytes.clear();
             }
             meta_run.bytes.extend_from_slice(&meta_bytes);
-            if let Some(e) = self.layers[li].blocks.get_mut(&lba)
-                && matches!(e.loc, Loc::Wal(_))
-            {
-                e.loc = Loc::Layer;
-            }
         }
-        self.copy_run(&data_run)?;
-        self.write_meta_run(&meta_run)?;
-        for li in touched {
-            self.layers[li]
-                .data
-                .sync()
-                .map_err(Error::store("checkpoint"))?;
-            self.layers[li]
-                .meta
-                .sync()
-                .map_err(Error::store("checkpoint"))?;
+        flush_copy(&data_run, &mut ops);
+        flush_meta(&mut meta_run, &mut ops);
+        CheckpointJob {
+            wals: self.wals.clone(),
+            sync_wals,
+            layers: self
+                .layers
+                .iter()
+                .map(|l| (l.data.clone(), l.meta.clone()))
+                .collect(),
+            touched,
+            ops,
         }
-        self.sb.position = self.position;
-        self.sb.wal_gen += 1;
-        self.write_sb()?;
-        self.wal.set_len(0).map_err(Error::store("truncate wal"))?;
-        self.wal_len = 0;
-        Ok(())
-    }
-
-    /// Copies a run of WAL-resident blocks into its layer's data file.
-    fn copy_run(&mut self, run: &CopyRun) -> Result<()> {
-        if run.blocks == 0 {
-            return Ok(());
-        }
-        let mut buf = vec![0u8; run.blocks as usize * BLOCK_SIZE];
-        self.wal
-            .read_at(&mut buf, run.wal_off)
-            .map_err(Error::store("checkpoint"))?;
-        self.layers[run.li]
-            .data
-            .write_at(&buf, run.lba * BLOCK_SIZE_U64)
-            .map_err(Error::store("checkpoint"))
-    }
-
-    /// Writes a run of consecutive metadata entries of one layer.
-    fn write_meta_run(&mut self, run: &MetaRun) -> Result<()> {
-        if run.bytes.is_empty() {
-            return Ok(());
-        }
-        self.layers[run.li]
-            .meta
-            .write_at(&run.bytes, run.lba * META_SIZE as u64)
-            .map_err(Error::store("checkpoint"))
     }
 
     fn write_sb(&mut self) -> Result<()> {
@@ -1056,7 +1385,7 @@ impl Store {
                 };
                 let h = WalHeader {
                     kind,
-                    wal_gen: self.sb.wal_gen,
+                    wal_gen: self.wgen,
                     layer: kid,
                     tag,
                     lba: b,
@@ -1080,6 +1409,7 @@ impl Store {
 
     /// Persists the `Rebuilding` state without other changes.
     pub fn mark_rebuilding(&mut self) -> Result<()> {
+        self.settle()?;
         self.sb.state = ReplicaState::Rebuilding;
         self.write_sb()
     }
@@ -1261,7 +1591,8 @@ impl Store {
     /// it); reads the files, so not for the data path.
     pub fn fallback_copies_ok(&self) -> bool {
         let mut buf = vec![0u8; BLOCK_SIZE];
-        self.dirty.iter().all(|&(layer, lba)| {
+        let sealed = self.sealed.iter().flat_map(|s| s.dirty.iter());
+        self.dirty.iter().chain(sealed).all(|&(layer, lba)| {
             let Some(li) = self.layer_index(layer) else {
                 return true;
             };
@@ -1297,8 +1628,7 @@ impl Store {
                 .read_at(&mut buf, lba * BLOCK_SIZE_U64)
                 .map(|_| self.sb.checksum.block(lba, &buf))
                 .ok(),
-            Loc::Wal(off) => self
-                .wal
+            Loc::Wal(f, off) => self.wals[f]
                 .read_at(&mut buf, off)
                 .map(|_| self.sb.checksum.block(lba, &buf))
                 .ok(),

@@ -121,6 +121,17 @@ pub struct Store {
     checkpoint_bytes: u64,
 }
 
+impl Drop for Store {
+    /// Waits for a checkpoint thread still writing this store's layer
+    /// files: a store reopened on the same directory (after a fault) must
+    /// not have an old job write older copies over its own checkpoint.
+    fn drop(&mut self) {
+        if let Some(h) = self.sealed.as_mut().and_then(|s| s.running.take()) {
+            let _ = h.join();
+        }
+    }
+}
+
 /// A sealed WAL whose checkpoint has not finished.
 #[derive(Debug)]
 struct Sealed {
@@ -1302,6 +1313,9 @@ impl Store {
         }
         self.checkpoint()?;
         self.merge_dropped_layers(layers)?;
+        // Its appends may have sealed a WAL: finish that job before layers
+        // are replaced or removed.
+        self.settle()?;
         let mut old: Vec<Layer> = std::mem::take(&mut self.layers);
         let mut new = Vec::new();
         for info in layers {

@@ -77,6 +77,37 @@ fn snapshot_revert_delete() {
     );
 }
 
+/// Power loss on `d`, reopen: the position is between the last flushed
+/// write and the last write (`n`), and the 8 blocks hold exactly the writes
+/// of `history` (lba, value per index) up to it, each verifying.
+fn power_loss_keeps_a_prefix(
+    d: &SimDisk,
+    rng: &mut Prng,
+    history: &[(u64, u8)],
+    flushed: u64,
+    n: u64,
+    what: &str,
+) {
+    d.power_loss(rng);
+    let s = Store::open(Box::new(d.clone())).unwrap();
+    let p = s.position().index;
+    assert!(
+        p >= flushed && p <= n,
+        "{what}: position {p} flushed {flushed} n {n}"
+    );
+    let mut expect = [0u8; 8];
+    for (lba, v) in &history[..p as usize] {
+        expect[*lba as usize] = *v;
+    }
+    for lba in 0..8 {
+        assert_eq!(
+            read1(&s, lba),
+            (blk(expect[lba as usize]), true),
+            "{what}: block {lba}"
+        );
+    }
+}
+
 #[test]
 fn power_loss_keeps_flushed_prefix_and_never_tears_a_block() {
     for seed in 0..300u64 {
@@ -98,23 +129,7 @@ fn power_loss_keeps_flushed_prefix_and_never_tears_a_block() {
             }
         }
         drop(s);
-        d.power_loss(&mut rng);
-        let s = Store::open(Box::new(d.clone())).unwrap();
-        let p = s.position().index;
-        assert!(
-            p >= flushed && p <= n,
-            "seed {seed}: position {p} flushed {flushed} n {n}"
-        );
-        // Content equals exactly the prefix up to p.
-        let mut expect = [0u8; 8];
-        for (lba, v) in &history[..p as usize] {
-            expect[*lba as usize] = *v;
-        }
-        for lba in 0..8 {
-            let (b, ok) = read1(&s, lba);
-            assert!(ok, "seed {seed}: block {lba} failed verification");
-            assert_eq!(b, blk(expect[lba as usize]), "seed {seed}: block {lba}");
-        }
+        power_loss_keeps_a_prefix(&d, &mut rng, &history, flushed, n, &format!("seed {seed}"));
     }
 }
 
@@ -794,24 +809,14 @@ fn crash_at_every_step_of_seal_job_finish_keeps_a_flushed_prefix() {
             }
             let n = i - 1;
             drop(s);
-            d.power_loss(&mut rng);
-            let s = Store::open(Box::new(d.clone())).unwrap();
-            let p = s.position().index;
-            assert!(
-                p >= flushed && p <= n,
-                "step {step} seed {seed}: position {p} flushed {flushed} n {n}"
+            power_loss_keeps_a_prefix(
+                &d,
+                &mut rng,
+                &hist,
+                flushed,
+                n,
+                &format!("step {step} seed {seed}"),
             );
-            let mut expect = [0u8; 8];
-            for (lba, v) in &hist[..p as usize] {
-                expect[*lba as usize] = *v;
-            }
-            for lba in 0..8 {
-                assert_eq!(
-                    read1(&s, lba),
-                    (blk(expect[lba as usize]), true),
-                    "step {step} seed {seed}: block {lba}"
-                );
-            }
             // Open checkpointed both files: older versions may open it.
             assert!(!durable_sb(&d).two_wal);
         }

@@ -765,14 +765,7 @@ impl Store {
             self.sealed = Some(s);
             return Err(e);
         }
-        for &(layer, lba) in &s.dirty {
-            if let Some(li) = self.layer_index(layer)
-                && let Some(e) = self.layers[li].blocks.get_mut(&lba)
-                && matches!(e.loc, Loc::Wal(f, _) if f == s.file)
-            {
-                e.loc = Loc::Layer;
-            }
-        }
+        self.point_to_layers(&s.dirty, Some(s.file));
         self.wals[s.file]
             .set_len(0)
             .map_err(Error::store("truncate wal"))
@@ -1182,14 +1175,7 @@ impl Store {
         // older versions may open the store again.
         self.sb.two_wal = false;
         self.write_sb()?;
-        for &(layer, lba) in &dirty {
-            if let Some(li) = self.layer_index(layer)
-                && let Some(e) = self.layers[li].blocks.get_mut(&lba)
-                && matches!(e.loc, Loc::Wal(..))
-            {
-                e.loc = Loc::Layer;
-            }
-        }
+        self.point_to_layers(&dirty, None);
         for w in &self.wals {
             w.set_len(0).map_err(Error::store("truncate wal"))?;
         }
@@ -1203,6 +1189,19 @@ impl Store {
     /// The I/O that moves the changes of `dirty` (as the index has them
     /// now) into the layer files, after syncing WAL files `sync_wals`.
     /// Contiguous blocks are copied and their metadata written in runs.
+    /// After a checkpoint of `dirty`: index entries still in a WAL (`file`,
+    /// or either) now read from their layer files.
+    fn point_to_layers(&mut self, dirty: &BTreeSet<(u64, u64)>, file: Option<usize>) {
+        for &(layer, lba) in dirty {
+            if let Some(li) = self.layer_index(layer)
+                && let Some(e) = self.layers[li].blocks.get_mut(&lba)
+                && matches!(e.loc, Loc::Wal(f, _) if file.is_none_or(|w| w == f))
+            {
+                e.loc = Loc::Layer;
+            }
+        }
+    }
+
     fn build_job(&self, dirty: &BTreeSet<(u64, u64)>, sync_wals: Vec<usize>) -> CheckpointJob {
         let mut ops = Vec::new();
         let mut touched = BTreeSet::new();

@@ -20,7 +20,7 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use sheaf_blockrepl::frontend::Disk;
 use sheaf_blockrepl::frontend::nbd::{self, Export, NbdConfig, NbdServer};
-use sheaf_blockrepl::net::Secret;
+use sheaf_blockrepl::net::{LinkProtection, Secret};
 use sheaf_blockrepl::volume::{ReplicaTarget, Volume, VolumeConfig, create_replica};
 
 #[derive(Parser, Debug)]
@@ -62,6 +62,11 @@ struct VolumeArgs {
     /// costs CPU). 0 turns it off.
     #[arg(long, default_value_t = sheaf_blockrepl::volume::DEFAULT_POLL_US)]
     poll_us: u64,
+    /// How replication frames are protected after the handshake: `auto`
+    /// (checksummed on loopback, encrypted to other hosts), `encrypted`
+    /// or `checksummed` (no encryption; trusted networks only).
+    #[arg(long, default_value = "auto")]
+    link_protection: LinkProtection,
 }
 
 #[derive(Args, Debug)]
@@ -162,7 +167,11 @@ fn parse_spec(spec: &str) -> anyhow::Result<Vec<ReplicaTarget>> {
 async fn attach(spec: &str, args: &VolumeArgs) -> anyhow::Result<Volume> {
     let replicas = parse_spec(spec)?;
     let secret = match &args.secret_file {
-        Some(f) => Some(Secret::from_file(f).context("secret file")?),
+        Some(f) => Some(
+            Secret::from_file(f)
+                .context("secret file")?
+                .with_protection(args.link_protection),
+        ),
         None => None,
     };
     let mut cfg = VolumeConfig::new(replicas, secret);

@@ -12,8 +12,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
-use sheaf_blockrepl::net::Secret;
 use sheaf_blockrepl::net::server::serve;
+use sheaf_blockrepl::net::{LinkProtection, Secret};
 use sheaf_blockrepl::volume::{create_replacement_replica, create_replica, open_replica};
 
 #[derive(Parser, Debug)]
@@ -46,6 +46,12 @@ struct Args {
     /// volumes' `read_lease`, and small, as failover can wait for it.
     #[arg(long, default_value_t = 2000)]
     max_lease_ms: u64,
+    /// How frames are protected after the handshake: `auto` (checksummed
+    /// on loopback, encrypted to other hosts), `encrypted` (always
+    /// AES-256-GCM) or `checksummed` (XXH3, no encryption; trusted
+    /// networks only). A link is checksummed only if both ends allow it.
+    #[arg(long, default_value = "auto")]
+    link_protection: LinkProtection,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -57,7 +63,9 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let secret = Secret::from_file(&args.secret_file).context("secret")?;
+    let secret = Secret::from_file(&args.secret_file)
+        .context("secret")?
+        .with_protection(args.link_protection);
     if let Some(size) = args.create_size
         && !args.dir.join("superblock").exists()
     {

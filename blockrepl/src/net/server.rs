@@ -79,6 +79,22 @@ fn apply(core: &Mutex<ReplicaCore>, frame: ReqFrame) -> RespFrame {
     RespFrame { id: frame.id, resp }
 }
 
+/// [`apply`], with the answer encoded into `out`. A read is answered
+/// in place: its blocks are read from the store into `out`.
+fn apply_into(core: &Mutex<ReplicaCore>, frame: ReqFrame, out: &mut Vec<u8>) {
+    match core.lock() {
+        Ok(mut c) => {
+            c.set_time(crate::net::mono_us());
+            c.handle_into(frame.id, frame.req, out);
+        }
+        Err(_) => RespFrame {
+            id: frame.id,
+            resp: Response::Refused(Refusal::Faulted),
+        }
+        .encode_into(out),
+    }
+}
+
 impl std::fmt::Debug for Job {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Job").field("id", &self.frame.id).finish()
@@ -127,6 +143,20 @@ impl ReplicaThread {
         }
     }
 
+    /// [`ReplicaThread::apply_inline`], with the answer encoded into `out`
+    /// (a frame in a send queue; reads are answered in place).
+    pub fn apply_inline_into(&self, frame: ReqFrame, out: &mut Vec<u8>) {
+        let quick = is_quick(&frame.req);
+        let multi = !quick
+            && tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi {
+            tokio::task::block_in_place(|| apply_into(&self.core, frame, out))
+        } else {
+            apply_into(&self.core, frame, out)
+        }
+    }
+
     /// Queues a request; the response goes to `reply` tagged with `tag`.
     /// Returns false if the thread is gone.
     pub fn submit(&self, frame: ReqFrame, reply: ReplySink, tag: usize) -> bool {
@@ -160,20 +190,27 @@ async fn serve_conn(
     let _ = sock.set_nodelay(true);
     let (r, w) = sock.into_split();
     let r = BufReader::with_capacity(READ_BUFFER, r);
-    let (mut rd, mut wr) =
-        tokio::time::timeout(Duration::from_secs(10), server_handshake(r, w, &secret))
-            .await
-            .map_err(|_| Error::Auth("handshake timed out".into()))??;
+    let (mut rd, mut wr) = tokio::time::timeout(
+        Duration::from_secs(10),
+        server_handshake(r, w, &secret, peer.ip().is_loopback()),
+    )
+    .await
+    .map_err(|_| Error::Auth("handshake timed out".into()))??;
     info!(%peer, "engine connected");
     loop {
         let frame = match rd.recv().await? {
             Some(f) => f,
             None => return wr.flush().await,
         };
-        let req = ReqFrame::decode(&frame).map_err(Error::Decode)?;
-        drop(frame);
-        let resp = replica.apply_inline(req);
-        wr.send(&resp.encode()).await?;
+        // Write data stays in the received frame (no copy).
+        let req = ReqFrame::decode_bytes(&frame.into()).map_err(Error::Decode)?;
+        // The answer is encoded straight into the send queue: a read's
+        // blocks go from the store into the frame.
+        wr.send_with(|out| {
+            replica.apply_inline_into(req, out);
+            Ok(())
+        })
+        .await?;
         // Coalesce: answer the batch once no further request is buffered.
         if !rd.frame_buffered() {
             wr.flush().await?;
@@ -203,9 +240,12 @@ pub async fn remote_link(
             let _ = sock.set_nodelay(true);
             let (r, w) = sock.into_split();
             let r = BufReader::with_capacity(READ_BUFFER, r);
-            tokio::time::timeout(Duration::from_secs(5), client_handshake(r, w, &secret))
-                .await
-                .map_err(|_| Error::Auth("handshake timed out".into()))?
+            tokio::time::timeout(
+                Duration::from_secs(5),
+                client_handshake(r, w, &secret, addr.ip().is_loopback()),
+            )
+            .await
+            .map_err(|_| Error::Auth("handshake timed out".into()))?
         };
         let (mut rd, mut wr) = match conn.await {
             Ok(x) => x,
@@ -227,7 +267,8 @@ pub async fn remote_link(
         let mut reader = tokio::spawn(async move {
             loop {
                 match rd.recv().await {
-                    Ok(Some(f)) => match RespFrame::decode(&f) {
+                    // Read data stays in the received frame (no copy).
+                    Ok(Some(f)) => match RespFrame::decode_bytes(&f.into()) {
                         Ok(resp) => {
                             if ev.send((id, Some(resp))).is_err() {
                                 return;
@@ -253,12 +294,18 @@ pub async fn remote_link(
                         reader.abort();
                         return;
                     };
-                    if wr.send(&req.encode()).await.is_err() {
+                    if wr.send_with(|b| {
+                        req.encode_into(b);
+                        Ok(())
+                    }).await.is_err() {
                         break;
                     }
                     let mut ok = true;
                     while let Ok(more) = requests.try_recv() {
-                        if wr.send(&more.encode()).await.is_err() {
+                        if wr.send_with(|b| {
+                            more.encode_into(b);
+                            Ok(())
+                        }).await.is_err() {
                             ok = false;
                             break;
                         }

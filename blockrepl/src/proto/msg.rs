@@ -289,9 +289,18 @@ fn err<T>(what: &str) -> Result<T, DecodeError> {
     Err(DecodeError(what.to_string()))
 }
 
-struct Dec<'a>(R<'a>);
+/// Decoder over a frame payload; with the payload's owner (`Bytes`), block
+/// data is a view of the payload instead of a copy.
+struct Dec<'a>(R<'a>, Option<&'a Bytes>);
 
 impl<'a> Dec<'a> {
+    fn data(&mut self, n: usize, what: &str) -> Result<Bytes, DecodeError> {
+        let b = self.bytes(n, what)?;
+        Ok(match self.1 {
+            Some(owner) => owner.slice_ref(b),
+            None => Bytes::copy_from_slice(b),
+        })
+    }
     fn u8(&mut self, what: &str) -> Result<u8, DecodeError> {
         self.0
             .u8()
@@ -357,10 +366,7 @@ impl<'a> Dec<'a> {
                 1 => CopyEntry::Zero(self.tag("entry tag")?),
                 2 => {
                     let t = self.tag("entry tag")?;
-                    CopyEntry::Data(
-                        t,
-                        Bytes::copy_from_slice(self.bytes(BLOCK_SIZE, "entry data")?),
-                    )
+                    CopyEntry::Data(t, self.data(BLOCK_SIZE, "entry data")?)
                 }
                 3 => CopyEntry::Skip,
                 4 => CopyEntry::Bad(self.tag("entry tag")?),
@@ -377,9 +383,9 @@ impl<'a> Dec<'a> {
     }
 }
 
-struct Enc(BytesMut);
+struct Enc<B: BufMut>(B);
 
-impl Enc {
+impl<B: BufMut> Enc<B> {
     fn tag(&mut self, t: Tag) {
         self.0.put_u64_le(t.epoch);
         self.0.put_u64_le(t.index);
@@ -425,6 +431,17 @@ impl ReqFrame {
     /// Encodes the frame payload.
     pub fn encode(&self) -> BytesMut {
         let mut e = Enc(BytesMut::with_capacity(64));
+        self.put(&mut e);
+        e.0
+    }
+
+    /// Appends the encoded frame payload to `out` (a frame being built in
+    /// a send queue: no intermediate buffer).
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        self.put(&mut Enc(out));
+    }
+
+    fn put<B: BufMut>(&self, e: &mut Enc<B>) {
         e.0.put_u64_le(self.id);
         match &self.req {
             Request::Probe => e.0.put_u8(1),
@@ -562,15 +579,23 @@ impl ReqFrame {
                 e.tag(*position);
             }
         }
-        e.0
     }
 
-    /// Decodes a frame payload.
+    /// Decodes a frame payload (block data is copied out of `buf`).
     pub fn decode(buf: &[u8]) -> Result<ReqFrame, DecodeError> {
+        Self::decode_in(buf, None)
+    }
+
+    /// Decodes a frame payload; block data are views of `buf`, not copies.
+    pub fn decode_bytes(buf: &Bytes) -> Result<ReqFrame, DecodeError> {
+        Self::decode_in(buf, Some(buf))
+    }
+
+    fn decode_in(buf: &[u8], owner: Option<&Bytes>) -> Result<ReqFrame, DecodeError> {
         if buf.len() > MAX_FRAME {
             return err("frame too large");
         }
-        let mut d = Dec(R::new(buf));
+        let mut d = Dec(R::new(buf), owner);
         let id = d.u64("request id")?;
         let req = match d.u8("request kind")? {
             1 => Request::Probe,
@@ -588,11 +613,8 @@ impl ReqFrame {
                     1 => {
                         let lba = d.u64("lba")?;
                         let n = d.blocks("write")?;
-                        let data = d.bytes(n as usize * BLOCK_SIZE, "write data")?;
-                        Op::Write {
-                            lba,
-                            data: Bytes::copy_from_slice(data),
-                        }
+                        let data = d.data(n as usize * BLOCK_SIZE, "write data")?;
+                        Op::Write { lba, data }
                     }
                     2 => Op::Zero {
                         lba: d.u64("lba")?,
@@ -677,7 +699,7 @@ impl ReqFrame {
     }
 }
 
-fn put_block_tag(e: &mut Enc, t: &BlockTag) {
+fn put_block_tag<B: BufMut>(e: &mut Enc<B>, t: &BlockTag) {
     match t {
         BlockTag::Absent => e.0.put_u8(0),
         BlockTag::Present { tag, zero, valid } => {
@@ -691,6 +713,50 @@ impl RespFrame {
     /// Encodes the frame payload.
     pub fn encode(&self) -> BytesMut {
         let mut e = Enc(BytesMut::with_capacity(64));
+        self.put(&mut e);
+        e.0
+    }
+
+    /// Appends the encoded frame payload to `out` (a frame being built in
+    /// a send queue: no intermediate buffer).
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        self.put(&mut Enc(out));
+    }
+
+    /// Appends a [`Response::Data`] frame of `blocks` blocks to `out`,
+    /// with the data filled in place by `read` (which returns the bad
+    /// blocks, as [`Response::Data`] carries them). On an error nothing is
+    /// appended. The same bytes as [`RespFrame::encode_into`] of the
+    /// finished response.
+    pub fn encode_data_into<E>(
+        id: u64,
+        blocks: u32,
+        out: &mut Vec<u8>,
+        read: impl FnOnce(&mut [u8]) -> Result<Vec<(u64, u64)>, E>,
+    ) -> Result<(), E> {
+        let start = out.len();
+        out.put_u64_le(id);
+        out.put_u8(3);
+        out.put_u32_le(blocks);
+        let at = out.len();
+        out.resize(at + blocks as usize * BLOCK_SIZE, 0);
+        match read(&mut out[at..]) {
+            Ok(bad) => {
+                out.put_u32_le(bad.len() as u32);
+                for (l, y) in bad {
+                    out.put_u64_le(l);
+                    out.put_u64_le(y);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                out.truncate(start);
+                Err(e)
+            }
+        }
+    }
+
+    fn put<B: BufMut>(&self, e: &mut Enc<B>) {
         e.0.put_u64_le(self.id);
         match &self.resp {
             Response::Info(i) => {
@@ -721,7 +787,7 @@ impl RespFrame {
                 e.0.put_u8(4);
                 e.0.put_u32_le(v.len() as u32);
                 for (t, d) in v {
-                    put_block_tag(&mut e, t);
+                    put_block_tag(e, t);
                     match d {
                         Some(d) => {
                             e.0.put_u8(1);
@@ -761,15 +827,23 @@ impl RespFrame {
                 e.0.put_u64_le(*granted_us);
             }
         }
-        e.0
     }
 
-    /// Decodes a frame payload.
+    /// Decodes a frame payload (block data is copied out of `buf`).
     pub fn decode(buf: &[u8]) -> Result<RespFrame, DecodeError> {
+        Self::decode_in(buf, None)
+    }
+
+    /// Decodes a frame payload; block data are views of `buf`, not copies.
+    pub fn decode_bytes(buf: &Bytes) -> Result<RespFrame, DecodeError> {
+        Self::decode_in(buf, Some(buf))
+    }
+
+    fn decode_in(buf: &[u8], owner: Option<&Bytes>) -> Result<RespFrame, DecodeError> {
         if buf.len() > MAX_FRAME {
             return err("frame too large");
         }
-        let mut d = Dec(R::new(buf));
+        let mut d = Dec(R::new(buf), owner);
         let id = d.u64("response id")?;
         let resp = match d.u8("response kind")? {
             1 => Response::Info(ReplicaInfo {
@@ -789,7 +863,7 @@ impl RespFrame {
             2 => Response::Ack(d.tag("position")?),
             3 => {
                 let n = d.blocks("data")?;
-                let data = Bytes::copy_from_slice(d.bytes(n as usize * BLOCK_SIZE, "data")?);
+                let data = d.data(n as usize * BLOCK_SIZE, "data")?;
                 let nb = d.u32("bad count")?;
                 if nb > n {
                     return err("more bad blocks than blocks");
@@ -821,7 +895,7 @@ impl RespFrame {
                     };
                     let data = match d.u8("data flag")? {
                         0 => None,
-                        1 => Some(Bytes::copy_from_slice(d.bytes(BLOCK_SIZE, "block data")?)),
+                        1 => Some(d.data(BLOCK_SIZE, "block data")?),
                         _ => return err("bad data flag"),
                     };
                     v.push((t, data));
@@ -967,7 +1041,37 @@ mod tests {
         #[test]
         fn requests_roundtrip(id in any::<u64>(), req in request()) {
             let f = ReqFrame { id, req };
-            prop_assert_eq!(ReqFrame::decode(&f.encode()), Ok(f));
+            prop_assert_eq!(ReqFrame::decode(&f.encode()), Ok(f.clone()));
+            // Built in a send queue and decoded without copies: the same.
+            let mut q = b"queued".to_vec();
+            f.encode_into(&mut q);
+            prop_assert_eq!(&q[6..], &f.encode()[..]);
+            let owned = Bytes::copy_from_slice(&q[6..]);
+            prop_assert_eq!(ReqFrame::decode_bytes(&owned), Ok(f));
+        }
+
+        #[test]
+        fn data_answers_built_in_place_match(
+            id in any::<u64>(),
+            blocks in 3u32..=4,
+            fill in any::<u8>(),
+            bad in prop::collection::vec((any::<u64>(), any::<u64>()), 0..3),
+        ) {
+            let data = Bytes::from(vec![fill; blocks as usize * BLOCK_SIZE]);
+            let f = RespFrame { id, resp: Response::Data { data, bad: bad.clone() } };
+            let mut q = vec![7u8; 3];
+            RespFrame::encode_data_into::<()>(id, blocks, &mut q, |b| {
+                b.fill(fill);
+                Ok(bad)
+            }).unwrap();
+            prop_assert_eq!(&q[3..], &f.encode()[..]);
+            let owned = Bytes::copy_from_slice(&q[3..]);
+            prop_assert_eq!(RespFrame::decode_bytes(&owned), Ok(f));
+            // A failed read appends nothing.
+            let before = q.len();
+            let r = RespFrame::encode_data_into(id, blocks, &mut q, |_| Err("io"));
+            prop_assert_eq!(r, Err("io"));
+            prop_assert_eq!(q.len(), before);
         }
 
         #[test]

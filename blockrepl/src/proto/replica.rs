@@ -11,7 +11,7 @@
 use tracing::{debug, warn};
 
 use crate::error::Error;
-use crate::proto::msg::{CopyEntry, MAX_IO_BLOCKS, Op, Refusal, Request, Response};
+use crate::proto::msg::{CopyEntry, MAX_IO_BLOCKS, Op, Refusal, Request, RespFrame, Response};
 use crate::store::disk::StoreDir;
 use crate::store::{SetBlock, Store};
 use crate::types::{BLOCK_SIZE, BlockTag, ReplicaState, Tag};
@@ -165,6 +165,37 @@ impl ReplicaCore {
             }
         }
         true
+    }
+
+    /// [`ReplicaCore::handle`], with the answer appended to `out` as the
+    /// payload of a [`RespFrame`] with id `id`. A read that is served is
+    /// read from the store straight into `out` (no buffer of its own, no
+    /// copy into the frame).
+    pub fn handle_into(&mut self, id: u64, req: Request, out: &mut Vec<u8>) {
+        if let Request::Read { epoch, lba, blocks } = req
+            && self.attached
+            && let Some(store) = self.store.as_ref()
+        {
+            let info = store.info();
+            if epoch == info.epoch && info.state == ReplicaState::Clean {
+                let read = RespFrame::encode_data_into(id, blocks, out, |buf| {
+                    store.read(lba, blocks, buf)
+                });
+                if let Err(e) = read {
+                    RespFrame {
+                        id,
+                        resp: refused(Refusal::Invalid(e.to_string())),
+                    }
+                    .encode_into(out);
+                }
+                return;
+            }
+        }
+        RespFrame {
+            id,
+            resp: self.handle(req),
+        }
+        .encode_into(out);
     }
 
     /// Handles one request.

@@ -259,6 +259,7 @@ fn run_vhost(rt: tokio::runtime::Runtime, a: VhostArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
+    sheaf_blockrepl::tune_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -55,6 +55,7 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    sheaf_blockrepl::tune_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

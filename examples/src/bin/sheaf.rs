@@ -293,6 +293,8 @@ fn init_logs_at(to: Option<&Path>, default: &str) -> anyhow::Result<()> {
 }
 
 fn main() {
+    // Node agents serve replicas and NBD exports in this process.
+    sheaf_blockrepl::tune_allocator();
     if let Err(e) = run(Cli::parse()) {
         eprintln!("error: {e:#}");
         std::process::exit(1);

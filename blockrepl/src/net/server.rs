@@ -196,7 +196,12 @@ async fn serve_conn(
     )
     .await
     .map_err(|_| Error::Auth("handshake timed out".into()))??;
-    info!(%peer, "engine connected");
+    let frames = if wr.checksummed() {
+        "checksummed"
+    } else {
+        "encrypted"
+    };
+    info!(%peer, frames, "engine connected");
     loop {
         let frame = match rd.recv().await? {
             Some(f) => f,
@@ -262,7 +267,7 @@ pub async fn remote_link(
             }
         };
         backoff = Duration::from_millis(20);
-        debug!(replica = id, %addr, "connected");
+        debug!(replica = id, %addr, checksummed = wr.checksummed(), "connected");
         let ev = events.clone();
         let mut reader = tokio::spawn(async move {
             loop {

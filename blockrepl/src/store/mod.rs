@@ -25,8 +25,9 @@
 
 pub mod disk;
 pub mod format;
+mod index;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::io;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -43,6 +44,7 @@ use format::{
     BlockMeta, META_DAMAGED, META_PRESENT, META_SIZE, META_ZERO, SB_SLOT, SbError, Superblock,
     WAL_HDR, WalHeader, WalKind,
 };
+use index::{BlockIndex, DirtySet};
 
 const SB_NAME: &str = "superblock";
 /// The two WAL files: the store appends to one while the other, sealed,
@@ -60,8 +62,9 @@ const WAL_LIMIT_FACTOR: u64 = 2;
 enum Loc {
     /// In the layer's data file (or nowhere, for zero blocks).
     Layer,
-    /// In WAL file `.0` (index into [`WAL_NAMES`]), data at offset `.1`.
-    Wal(usize, u64),
+    /// In WAL file `.0` (index into [`WAL_NAMES`]), data at offset `.1`
+    /// (a `u8` keeps [`Entry`] at 40 bytes).
+    Wal(u8, u64),
     /// The metadata entry itself is damaged.
     Damaged,
 }
@@ -77,7 +80,7 @@ struct Layer {
     info: LayerInfo,
     data: Arc<dyn StoreFile>,
     meta: Arc<dyn StoreFile>,
-    blocks: HashMap<u64, Entry>,
+    blocks: BlockIndex<Entry>,
 }
 
 /// What to put into a block of a layer during rebuild or repair.
@@ -113,7 +116,7 @@ pub struct Store {
     layers: Vec<Layer>,
     position: Tag,
     /// (layer id, lba) with changes in `wals[cur]` not yet checkpointed.
-    dirty: BTreeSet<(u64, u64)>,
+    dirty: DirtySet,
     /// The sealed WAL and its checkpoint job, until finished.
     sealed: Option<Sealed>,
     /// Run checkpoint jobs on a thread (else inline, deferred).
@@ -140,7 +143,7 @@ struct Sealed {
     /// Live position when it was sealed (the superblock's after finish).
     position: Tag,
     /// Blocks whose changes it holds.
-    dirty: BTreeSet<(u64, u64)>,
+    dirty: DirtySet,
     /// The checkpoint I/O (re-run inline after a failure).
     job: Arc<CheckpointJob>,
     /// The thread running `job`, if one does.
@@ -330,7 +333,7 @@ impl Store {
             wal_unordered: false,
             layers: vec![layer],
             position: Tag::default(),
-            dirty: BTreeSet::new(),
+            dirty: DirtySet::default(),
             sealed: None,
             background,
             checkpoint_bytes: CHECKPOINT_BYTES,
@@ -414,7 +417,7 @@ impl Store {
             wal_unordered: false,
             layers,
             position,
-            dirty: BTreeSet::new(),
+            dirty: DirtySet::default(),
             sealed: None,
             background,
             checkpoint_bytes: CHECKPOINT_BYTES,
@@ -450,7 +453,7 @@ impl Store {
             info,
             data: Arc::from(data),
             meta: Arc::from(meta),
-            blocks: HashMap::new(),
+            blocks: BlockIndex::default(),
         })
     }
 
@@ -564,41 +567,43 @@ impl Store {
         let li = self
             .layer_index(h.layer)
             .ok_or_else(|| Error::Corrupt(format!("wal record for unknown layer {}", h.layer)))?;
-        for i in 0..h.nblocks as u64 {
-            let lba = h.lba + i;
-            let entry = match h.kind {
-                WalKind::Write | WalKind::SetData => {
-                    let chunk = &data[i as usize * BLOCK_SIZE..(i as usize + 1) * BLOCK_SIZE];
-                    Some(Entry {
+        let layer = &mut self.layers[li];
+        let n = u64::from(h.nblocks);
+        match h.kind {
+            WalKind::Write | WalKind::SetData => {
+                let checksum = self.sb.checksum;
+                let base = off + WAL_HDR as u64;
+                layer.blocks.insert_run(h.lba, n, |lba| {
+                    let i = (lba - h.lba) as usize;
+                    let chunk = &data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+                    Entry {
                         meta: BlockMeta {
                             tag: h.tag,
-                            crc: self.sb.checksum.block(lba, chunk),
+                            crc: checksum.block(lba, chunk),
                             flags: META_PRESENT,
                         },
-                        loc: Loc::Wal(f, off + WAL_HDR as u64 + i * BLOCK_SIZE_U64),
-                    })
-                }
-                WalKind::Zero | WalKind::SetZero => Some(Entry {
+                        loc: Loc::Wal(f as u8, base + i as u64 * BLOCK_SIZE_U64),
+                    }
+                });
+            }
+            WalKind::Zero | WalKind::SetZero => {
+                let e = Entry {
                     meta: BlockMeta {
                         tag: h.tag,
                         crc: 0,
                         flags: META_PRESENT | META_ZERO,
                     },
                     loc: Loc::Layer,
-                }),
-                WalKind::SetAbsent => None,
-            };
-            let layer = &mut self.layers[li];
-            match entry {
-                Some(e) => {
-                    layer.blocks.insert(lba, e);
-                }
-                None => {
-                    layer.blocks.remove(&lba);
+                };
+                layer.blocks.insert_run(h.lba, n, |_| e);
+            }
+            WalKind::SetAbsent => {
+                for lba in h.lba..h.lba + n {
+                    layer.blocks.remove(lba);
                 }
             }
-            self.dirty.insert((h.layer, lba));
         }
+        self.dirty.insert_run(h.layer, h.lba, n);
         if h.kind.ordered() {
             self.position = h.tag;
         }
@@ -977,7 +982,7 @@ impl Store {
     /// data was read back and its checksum verified.
     pub fn entry(&self, layer: u64, lba: u64) -> Option<(Tag, bool, bool)> {
         let li = self.layer_index(layer)?;
-        let e = self.layers[li].blocks.get(&lba)?;
+        let e = self.layers[li].blocks.get(lba)?;
         let mut buf = vec![0u8; BLOCK_SIZE];
         let valid = self.read_entry(li, lba, e, &mut buf);
         Some((e.meta.tag, e.meta.is_zero(), valid))
@@ -991,7 +996,7 @@ impl Store {
         let res = match e.loc {
             Loc::Damaged => return false,
             Loc::Layer => self.layers[li].data.read_at(out, lba * BLOCK_SIZE_U64),
-            Loc::Wal(f, off) => self.wals[f].read_at(out, off),
+            Loc::Wal(f, off) => self.wals[usize::from(f)].read_at(out, off),
         };
         res.is_ok() && self.sb.checksum.block(lba, out) == e.meta.crc
     }
@@ -1012,12 +1017,12 @@ impl Store {
             let b = lba + i as u64;
             let mut found = false;
             for li in (0..self.layers.len()).rev() {
-                if let Some(e) = self.layers[li].blocks.get(&b) {
+                if let Some(e) = self.layers[li].blocks.get(b) {
                     found = true;
                     let file = match e.loc {
                         _ if e.meta.is_zero() => None,
                         Loc::Layer => Some((li, None, b * BLOCK_SIZE_U64)),
-                        Loc::Wal(f, off) => Some((li, Some(f), off)),
+                        Loc::Wal(f, off) => Some((li, Some(usize::from(f)), off)),
                         Loc::Damaged => None,
                     };
                     match file {
@@ -1103,7 +1108,7 @@ impl Store {
         let mut out = Vec::with_capacity(nblocks as usize);
         for i in 0..nblocks as u64 {
             let b = lba + i;
-            match self.layers[li].blocks.get(&b) {
+            match self.layers[li].blocks.get(b) {
                 None => out.push((BlockTag::Absent, None)),
                 Some(e) => {
                     let mut buf = vec![0u8; BLOCK_SIZE];
@@ -1191,18 +1196,18 @@ impl Store {
     /// Contiguous blocks are copied and their metadata written in runs.
     /// After a checkpoint of `dirty`: index entries still in a WAL (`file`,
     /// or either) now read from their layer files.
-    fn point_to_layers(&mut self, dirty: &BTreeSet<(u64, u64)>, file: Option<usize>) {
-        for &(layer, lba) in dirty {
+    fn point_to_layers(&mut self, dirty: &DirtySet, file: Option<usize>) {
+        for (layer, lba) in dirty.iter() {
             if let Some(li) = self.layer_index(layer)
-                && let Some(e) = self.layers[li].blocks.get_mut(&lba)
-                && matches!(e.loc, Loc::Wal(f, _) if file.is_none_or(|w| w == f))
+                && let Some(e) = self.layers[li].blocks.get_mut(lba)
+                && matches!(e.loc, Loc::Wal(f, _) if file.is_none_or(|w| w == usize::from(f)))
             {
                 e.loc = Loc::Layer;
             }
         }
     }
 
-    fn build_job(&self, dirty: &BTreeSet<(u64, u64)>, sync_wals: Vec<usize>) -> CheckpointJob {
+    fn build_job(&self, dirty: &DirtySet, sync_wals: Vec<usize>) -> CheckpointJob {
         let mut ops = Vec::new();
         let mut touched = BTreeSet::new();
         let mut data_run = CopyRun::default();
@@ -1227,7 +1232,7 @@ impl Store {
                 });
             }
         };
-        for &(layer, lba) in dirty {
+        for (layer, lba) in dirty.iter() {
             let Some(li) = self.layer_index(layer) else {
                 continue;
             };
@@ -1237,7 +1242,7 @@ impl Store {
                 off: lba * BLOCK_SIZE_U64,
                 len: BLOCK_SIZE_U64,
             };
-            let meta_bytes = match self.layers[li].blocks.get(&lba) {
+            let meta_bytes = match self.layers[li].blocks.get(lba) {
                 None => {
                     ops.push(punch);
                     [0u8; META_SIZE]
@@ -1246,11 +1251,11 @@ impl Store {
                     if e.meta.is_zero() {
                         ops.push(punch);
                     } else if let Loc::Wal(f, off) = e.loc
-                        && !data_run.extends(f, li, lba, off)
+                        && !data_run.extends(usize::from(f), li, lba, off)
                     {
                         flush_copy(&data_run, &mut ops);
                         data_run = CopyRun {
-                            file: f,
+                            file: usize::from(f),
                             li,
                             lba,
                             wal_off: off,
@@ -1340,7 +1345,7 @@ impl Store {
         self.sb.size_blocks = size_blocks;
         self.layers
             .iter_mut()
-            .for_each(|l| l.blocks.retain(|&b, _| b < size_blocks));
+            .for_each(|l| l.blocks.truncate(size_blocks));
         self.position = start;
         self.sb.position = start;
         self.write_sb()?;
@@ -1375,12 +1380,11 @@ impl Store {
             let mut moved: Vec<u64> = self.layers[i]
                 .blocks
                 .keys()
-                .copied()
-                .filter(|b| !self.layers[k].blocks.contains_key(b))
+                .filter(|b| !self.layers[k].blocks.contains_key(*b))
                 .collect();
             moved.sort_unstable();
             for b in moved {
-                let Some(e) = self.layers[i].blocks.get(&b).copied() else {
+                let Some(e) = self.layers[i].blocks.get(b).copied() else {
                     continue;
                 };
                 if !self.read_entry(i, b, &e, &mut buf) {
@@ -1482,13 +1486,12 @@ impl Store {
         let mut moved: Vec<u64> = self.layers[li]
             .blocks
             .keys()
-            .copied()
-            .filter(|b| !self.layers[li + 1].blocks.contains_key(b))
+            .filter(|b| !self.layers[li + 1].blocks.contains_key(*b))
             .collect();
         moved.sort_unstable();
         let mut buf = vec![0u8; BLOCK_SIZE];
         for b in moved {
-            let Some(e) = self.layers[li].blocks.get(&b).copied() else {
+            let Some(e) = self.layers[li].blocks.get(b).copied() else {
                 continue;
             };
             let mut e2 = e;
@@ -1605,7 +1608,7 @@ impl Store {
     pub fn fallback_copies_ok(&self) -> bool {
         let mut buf = vec![0u8; BLOCK_SIZE];
         let sealed = self.sealed.iter().flat_map(|s| s.dirty.iter());
-        self.dirty.iter().chain(sealed).all(|&(layer, lba)| {
+        self.dirty.iter().chain(sealed).all(|(layer, lba)| {
             let Some(li) = self.layer_index(layer) else {
                 return true;
             };
@@ -1633,7 +1636,7 @@ impl Store {
         let Some(li) = self.layer_index(layer) else {
             return "no layer".into();
         };
-        let e = self.layers[li].blocks.get(&lba);
+        let e = self.layers[li].blocks.get(lba);
         let mut buf = vec![0u8; BLOCK_SIZE];
         let actual = e.map(|e| match e.loc {
             Loc::Layer => self.layers[li]
@@ -1641,7 +1644,7 @@ impl Store {
                 .read_at(&mut buf, lba * BLOCK_SIZE_U64)
                 .map(|_| self.sb.checksum.block(lba, &buf))
                 .ok(),
-            Loc::Wal(f, off) => self.wals[f]
+            Loc::Wal(f, off) => self.wals[usize::from(f)]
                 .read_at(&mut buf, off)
                 .map(|_| self.sb.checksum.block(lba, &buf))
                 .ok(),

@@ -900,3 +900,11 @@ fn checkpoint_job_error_is_reported_and_loses_nothing() {
         assert_eq!(read1(&s, lba), (blk(v), true));
     }
 }
+
+#[test]
+fn index_entries_stay_small() {
+    // 16 bytes of tag, checksum and flags, 16 of location; `None` fits in
+    // the location's spare discriminant values.
+    assert_eq!(std::mem::size_of::<Entry>(), 40);
+    assert_eq!(std::mem::size_of::<Option<Entry>>(), 40);
+}

@@ -6,7 +6,8 @@
 //! Versioning: the superblock's flags byte is the feature list. A decoder
 //! refuses flags it does not know, so a feature that older versions must
 //! not misread (like a block checksum other than SHA-256, flag 4) sets a
-//! new flag; stores without it keep their exact old encoding.
+//! new flag; stores without it keep their exact old encoding. The same goes
+//! for WAL record CRCs over block checksums (flag 16).
 
 use crate::types::{BlockChecksum, LayerInfo, MAX_LAYERS, MAX_NAME_LEN, ReplicaState, Tag};
 
@@ -51,6 +52,11 @@ pub struct Superblock {
     /// The second WAL file may hold live records (flag 8; older versions
     /// refuse the store while it is set).
     pub two_wal: bool,
+    /// WAL records of generation `wal_gen` (and later) are checksummed over
+    /// the header and the blocks' checksums, not the data (flag 16, see
+    /// [`WalHeader::encode_sums`]; older versions refuse the store while
+    /// it is set).
+    pub wal_sums: bool,
 }
 
 const SB_OPEN: u8 = 1;
@@ -63,7 +69,12 @@ const SB_CHECKSUM: u8 = 4;
 /// off the write path, see the store). Versions before it replay only
 /// `wal`, so they must refuse such a store.
 const SB_TWO_WAL: u8 = 8;
-const SB_KNOWN: u8 = SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL;
+/// WAL record CRCs cover the header and the per-block checksums instead
+/// of the data ([`WalHeader::encode_sums`]). Versions before it would see
+/// a CRC mismatch at the first such record and take it for the end of the
+/// WAL, dropping flushed writes, so they must refuse such a store.
+const SB_WAL_SUMS: u8 = 16;
+const SB_KNOWN: u8 = SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL | SB_WAL_SUMS;
 
 /// Why a superblock slot was not decoded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -190,7 +201,8 @@ impl Superblock {
             let flags = if self.open { SB_OPEN } else { 0 }
                 | if self.recovered { SB_RECOVERED } else { 0 }
                 | if legacy { 0 } else { SB_CHECKSUM }
-                | if self.two_wal { SB_TWO_WAL } else { 0 };
+                | if self.two_wal { SB_TWO_WAL } else { 0 }
+                | if self.wal_sums { SB_WAL_SUMS } else { 0 };
             w.put(&[flags])?;
             if !legacy {
                 w.put(&[self.checksum.code()])?;
@@ -269,6 +281,7 @@ impl Superblock {
             recovered: flags & SB_RECOVERED != 0,
             checksum,
             two_wal: flags & SB_TWO_WAL != 0,
+            wal_sums: flags & SB_WAL_SUMS != 0,
         }))
     }
 }
@@ -421,6 +434,13 @@ impl WalKind {
 
 /// Header of a WAL record; `nblocks * 4096` bytes of data follow for kinds
 /// with data.
+///
+/// The record CRC (bytes 60..64) covers the first 60 header bytes and
+/// either the data ([`WalHeader::encode`], stores without the superblock's
+/// `wal_sums` flag) or the store's [`crate::types::BlockChecksum`] of each
+/// block, little-endian ([`WalHeader::encode_sums`]). Replay recomputes the
+/// block checksums from the data it read, so a torn or damaged record fails
+/// either way; the second form only saves hashing the data twice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WalHeader {
     /// Record kind.
@@ -489,6 +509,25 @@ impl WalHeader {
         stored == crc32c::crc32c_append(crc32c::crc32c(&hdr[..60]), data)
     }
 
+    /// Encodes the header; its CRC covers the header and `sums`, the block
+    /// checksums of the data (none for kinds without data).
+    pub fn encode_sums(&self, sums: &[u32]) -> [u8; WAL_HDR] {
+        let mut b = self.encode(&[]);
+        let c = sums_crc(&b[..60], sums);
+        b[60..64].copy_from_slice(&c.to_le_bytes());
+        b
+    }
+
+    /// Checks the record CRC over `hdr` bytes and the block checksums
+    /// `sums` (recomputed from the data read).
+    pub fn check_sums(hdr: &[u8], sums: &[u32]) -> bool {
+        if hdr.len() < WAL_HDR {
+            return false;
+        }
+        let stored = u32::from_le_bytes([hdr[60], hdr[61], hdr[62], hdr[63]]);
+        stored == sums_crc(&hdr[..60], sums)
+    }
+
     /// Data length following the header.
     pub fn data_len(&self) -> usize {
         if self.kind.has_data() {
@@ -497,6 +536,19 @@ impl WalHeader {
             0
         }
     }
+}
+
+/// CRC32C of `hdr` followed by `sums` (little-endian).
+fn sums_crc(hdr: &[u8], sums: &[u32]) -> u32 {
+    let mut c = crc32c::crc32c(hdr);
+    let mut buf = [0u8; 256];
+    for part in sums.chunks(buf.len() / 4) {
+        for (d, s) in buf.chunks_exact_mut(4).zip(part) {
+            d.copy_from_slice(&s.to_le_bytes());
+        }
+        c = crc32c::crc32c_append(c, &buf[..part.len() * 4]);
+    }
+    c
 }
 
 #[cfg(test)]
@@ -529,7 +581,33 @@ mod tests {
             recovered: true,
             checksum: BlockChecksum::Xxh3,
             two_wal: false,
+            wal_sums: false,
         }
+    }
+
+    #[test]
+    fn wal_sums_flag_roundtrips_and_older_versions_refuse_it() {
+        let s = Superblock {
+            wal_sums: true,
+            ..sb()
+        };
+        let b = s.encode().unwrap();
+        assert_eq!(Superblock::decode(&b), Ok(s.clone()));
+        let f = flags_at(&s);
+        assert_eq!(b[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_WAL_SUMS);
+        // The versions before the flag knew exactly these bits and refuse
+        // any other with UnknownFlags (or, before that, as invalid).
+        let old_known = SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL;
+        assert_ne!(b[f] & !old_known, 0);
+        // Without it, the encoding is unchanged (also for SHA-256 stores).
+        let b0 = Superblock {
+            wal_sums: false,
+            checksum: BlockChecksum::Sha256,
+            ..s
+        }
+        .encode()
+        .unwrap();
+        assert_eq!(b0[f], SB_OPEN | SB_RECOVERED);
     }
 
     #[test]
@@ -698,5 +776,40 @@ mod tests {
         assert_eq!(WalHeader::decode(&b), Some(h));
         assert!(WalHeader::check(&b, &data));
         assert!(!WalHeader::check(&b, &[0u8; 4096]));
+    }
+
+    #[test]
+    fn wal_header_over_block_checksums() {
+        let h = WalHeader {
+            kind: WalKind::Write,
+            wal_gen: 1,
+            layer: 2,
+            tag: Tag::new(3, 4),
+            lba: 5,
+            nblocks: 100,
+        };
+        let sums: Vec<u32> = (0..100u32).map(|i| i.wrapping_mul(0x9e37_79b9)).collect();
+        let b = h.encode_sums(&sums);
+        assert_eq!(WalHeader::decode(&b), Some(h));
+        assert!(WalHeader::check_sums(&b, &sums));
+        // Any changed checksum, a missing one, or a changed header fails.
+        for i in [0, 63, 64, 99] {
+            let mut bad = sums.clone();
+            bad[i] ^= 1 << (i % 32);
+            assert!(!WalHeader::check_sums(&b, &bad), "{i}");
+        }
+        assert!(!WalHeader::check_sums(&b, &sums[..99]));
+        let mut hb = b;
+        hb[40] ^= 1;
+        assert!(!WalHeader::check_sums(&hb, &sums));
+        // The same as one CRC over the header and the LE checksums.
+        let bytes: Vec<u8> = sums.iter().flat_map(|s| s.to_le_bytes()).collect();
+        assert!(WalHeader::check(&b, &bytes));
+        // A record without data: the CRC covers the header alone, as before.
+        let z = WalHeader {
+            kind: WalKind::Zero,
+            ..h
+        };
+        assert_eq!(z.encode_sums(&[]), z.encode(&[]));
     }
 }

@@ -13,7 +13,9 @@
 //! Layers form a copy-on-write chain: snapshots at the bottom, the head on
 //! top; reads take each block from the topmost layer that holds it.
 //!
-//! Every write is appended to the WAL (header + data, one CRC) and is durable
+//! Every write is appended to the WAL (header + data, one CRC over the header
+//! and the blocks' checksums, or over the data in stores without the
+//! superblock's `wal_sums` flag) and is durable
 //! once [`Store::flush`] has synced the WAL. A *checkpoint* copies the WAL's
 //! blocks into the layer files, syncs them, then writes a superblock with the
 //! new position and a new WAL generation; only then may WAL space be reused.
@@ -313,6 +315,9 @@ impl Store {
             recovered: false,
             checksum,
             two_wal: false,
+            // New stores write records checksummed over the block
+            // checksums from the start.
+            wal_sums: true,
         };
         let sb_file = dir.open(SB_NAME, true).map_err(Error::store("create"))?;
         sb_file
@@ -534,13 +539,21 @@ impl Store {
             if wal.read_at(&mut data, off + WAL_HDR as u64).is_err() {
                 break;
             }
-            if !WalHeader::check(&hdr, &data) {
+            // Recomputed from the data read: a torn or damaged record
+            // fails the record CRC also when it covers only these.
+            let sums = self.block_sums(&h, &data);
+            let ok = if self.sb.wal_sums {
+                WalHeader::check_sums(&hdr, &sums)
+            } else {
+                WalHeader::check(&hdr, &data)
+            };
+            if !ok {
                 break;
             }
             if h.kind.ordered() && h.tag.index != self.position.index + 1 {
                 break;
             }
-            if self.apply_record(&h, &data, f, off).is_err() {
+            if self.apply_record(&h, &sums, f, off).is_err() {
                 break;
             }
             off += (WAL_HDR + data.len()) as u64;
@@ -558,9 +571,18 @@ impl Store {
         replayed
     }
 
+    /// The store's checksum of each block of a record's data (empty for
+    /// kinds without data).
+    fn block_sums(&self, h: &WalHeader, data: &[u8]) -> Vec<u32> {
+        data.chunks_exact(BLOCK_SIZE)
+            .zip(h.lba..)
+            .map(|(b, lba)| self.sb.checksum.block(lba, b))
+            .collect()
+    }
+
     /// Updates the in-memory index for a record whose data is at `off + WAL_HDR`
-    /// of WAL file `f`.
-    fn apply_record(&mut self, h: &WalHeader, data: &[u8], f: usize, off: u64) -> Result<()> {
+    /// of WAL file `f`; `sums` are its blocks' checksums.
+    fn apply_record(&mut self, h: &WalHeader, sums: &[u32], f: usize, off: u64) -> Result<()> {
         if h.lba.saturating_add(h.nblocks as u64) > self.sb.size_blocks {
             return Err(Error::Corrupt("wal record past end of volume".into()));
         }
@@ -571,15 +593,16 @@ impl Store {
         let n = u64::from(h.nblocks);
         match h.kind {
             WalKind::Write | WalKind::SetData => {
-                let checksum = self.sb.checksum;
+                if sums.len() as u64 != n {
+                    return Err(Error::Corrupt("wal record checksum count".into()));
+                }
                 let base = off + WAL_HDR as u64;
                 layer.blocks.insert_run(h.lba, n, |lba| {
                     let i = (lba - h.lba) as usize;
-                    let chunk = &data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
                     Entry {
                         meta: BlockMeta {
                             tag: h.tag,
-                            crc: checksum.block(lba, chunk),
+                            crc: sums[i],
                             flags: META_PRESENT,
                         },
                         loc: Loc::Wal(f as u8, base + i as u64 * BLOCK_SIZE_U64),
@@ -628,13 +651,20 @@ impl Store {
             self.sync_sealed()?;
             self.wal_unordered = true;
         }
-        let hdr = h.encode(data);
+        // Each block's checksum is needed for the index anyway; with the
+        // `wal_sums` flag the record CRC covers them instead of the data.
+        let sums = self.block_sums(&h, data);
+        let hdr = if self.sb.wal_sums {
+            h.encode_sums(&sums)
+        } else {
+            h.encode(data)
+        };
         let off = self.wal_len;
         self.wals[self.cur]
             .write2_at(&hdr, data, off)
             .map_err(Error::store("append wal"))?;
         self.wal_len += (WAL_HDR + data.len()) as u64;
-        self.apply_record(&h, data, self.cur, off)
+        self.apply_record(&h, &sums, self.cur, off)
     }
 
     /// Syncs the sealed WAL unless known durable.
@@ -826,11 +856,23 @@ impl Store {
     /// Persists a new epoch and its engine (synced before returning).
     /// The replica is open for writes from then on (see [`Store::close`]).
     pub fn set_epoch(&mut self, epoch: u64, engine: u64) -> Result<()> {
-        self.settle()?;
+        self.settle_for_attach()?;
         self.sb.epoch = epoch;
         self.sb.engine = engine;
         self.sb.open = true;
         self.write_sb()
+    }
+
+    /// Before an attach: finishes a sealed WAL's checkpoint and, if a clean
+    /// [`Store::close`] left the store in the old WAL record format,
+    /// checkpoints to move to the new one (the format only changes with
+    /// the WAL generation, see [`Store::checkpoint`]).
+    fn settle_for_attach(&mut self) -> Result<()> {
+        if self.sb.wal_sums {
+            self.settle()
+        } else {
+            self.checkpoint()
+        }
     }
 
     /// Persists that an engine is attached (writes may follow that are not
@@ -839,7 +881,7 @@ impl Store {
         if self.sb.open {
             return Ok(());
         }
-        self.settle()?;
+        self.settle_for_attach()?;
         self.sb.open = true;
         self.write_sb()
     }
@@ -847,7 +889,9 @@ impl Store {
     /// Clean detach: checkpoints and records that nothing acknowledged is
     /// unsynced, so a later power loss does not mark the replica recovered.
     pub fn close(&mut self) -> Result<()> {
-        self.checkpoint()?;
+        // Both WALs end up empty: the store may go back to old-style
+        // records, so versions before `wal_sums` open it again.
+        self.checkpoint_as(false)?;
         self.sb.open = false;
         self.write_sb()
     }
@@ -1167,6 +1211,12 @@ impl Store {
     /// Copies WAL-resident blocks into the layer files, syncs them, and starts
     /// a new WAL generation (finishing a sealed WAL's checkpoint first).
     pub fn checkpoint(&mut self) -> Result<()> {
+        self.checkpoint_as(true)
+    }
+
+    /// [`Store::checkpoint`], with later records checksummed over the block
+    /// checksums (`wal_sums`) or over the data (the format before it).
+    fn checkpoint_as(&mut self, wal_sums: bool) -> Result<()> {
         self.settle()?;
         let dirty = std::mem::take(&mut self.dirty);
         let job = self.build_job(&dirty, vec![0, 1]);
@@ -1174,12 +1224,31 @@ impl Store {
             self.dirty = dirty;
             return Err(Error::store("checkpoint")(e));
         }
+        let before = (
+            self.sb.position,
+            self.sb.wal_gen,
+            self.sb.two_wal,
+            self.sb.wal_sums,
+        );
         self.sb.position = self.position;
         self.sb.wal_gen = self.wgen + 1;
         // Both files are emptied below and the new generation is in `wal`:
         // older versions may open the store again.
         self.sb.two_wal = false;
-        self.write_sb()?;
+        // The record format may change only here, where the generation
+        // does: every record of one generation has the same format, and
+        // the flag is durable before the first record that needs it.
+        self.sb.wal_sums = wal_sums;
+        if let Err(e) = self.write_sb() {
+            (
+                self.sb.position,
+                self.sb.wal_gen,
+                self.sb.two_wal,
+                self.sb.wal_sums,
+            ) = before;
+            self.dirty = dirty;
+            return Err(e);
+        }
         self.point_to_layers(&dirty, None);
         for w in &self.wals {
             w.set_len(0).map_err(Error::store("truncate wal"))?;

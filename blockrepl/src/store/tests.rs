@@ -908,3 +908,165 @@ fn index_entries_stay_small() {
     assert_eq!(std::mem::size_of::<Entry>(), 40);
     assert_eq!(std::mem::size_of::<Option<Entry>>(), 40);
 }
+
+/// The newest valid superblock in a store directory on real files.
+fn durable_sb_at(dir: &std::path::Path) -> Superblock {
+    let f = std::fs::read(dir.join(SB_NAME)).unwrap();
+    f.chunks(SB_SLOT)
+        .filter_map(|s| Superblock::decode(s).ok())
+        .max_by_key(|sb| sb.generation)
+        .unwrap()
+}
+
+/// Which CRC the WAL record at `off` of `wal` carries: `(over the data,
+/// over the block checksums)`. Returns the record's end too.
+fn wal_record_crc(wal: &[u8], off: usize, checksum: BlockChecksum) -> (bool, bool, usize) {
+    let hdr = &wal[off..off + WAL_HDR];
+    let h = WalHeader::decode(hdr).unwrap();
+    let data = &wal[off + WAL_HDR..off + WAL_HDR + h.data_len()];
+    let sums: Vec<u32> = data
+        .chunks(BLOCK_SIZE)
+        .zip(h.lba..)
+        .map(|(b, lba)| checksum.block(lba, b))
+        .collect();
+    (
+        WalHeader::check(hdr, data),
+        WalHeader::check_sums(hdr, &sums),
+        off + WAL_HDR + data.len(),
+    )
+}
+
+#[test]
+fn new_stores_checksum_wal_records_over_block_checksums() {
+    let dir = tempfile::tempdir().unwrap();
+    let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+    let mut s = Store::create(mk(), 16, ReplicaState::Clean).unwrap();
+    // Durable before the first record.
+    assert!(durable_sb_at(dir.path()).wal_sums);
+    let data: Vec<u8> = (0..4).flat_map(|b| fixture_value(b, 1)).collect();
+    s.write(Tag::new(1, 1), 0, 4, Some(&data)).unwrap();
+    s.write(Tag::new(1, 2), 6, 2, None).unwrap();
+    s.flush().unwrap();
+    drop(s); // no checkpoint: the records stay in the WAL
+    let wal = std::fs::read(dir.path().join("wal")).unwrap();
+    let (over_data, over_sums, end) = wal_record_crc(&wal, 0, BlockChecksum::Xxh3);
+    assert!(over_sums && !over_data);
+    // A record without data: the header alone, as in the old format.
+    let (over_data, over_sums, _) = wal_record_crc(&wal, end, BlockChecksum::Xxh3);
+    assert!(over_sums && over_data);
+    let s = Store::open(mk()).unwrap();
+    assert_eq!(s.position(), Tag::new(1, 2));
+    for b in 0..4 {
+        assert_eq!(read1(&s, b), (fixture_value(b, 1), true));
+    }
+    assert_eq!(s.entry(1, 6), Some((Tag::new(1, 2), true, true)));
+}
+
+#[test]
+fn old_format_wal_replays_and_the_store_upgrades_at_open_and_downgrades_at_close() {
+    let dir = sha256_fixture();
+    let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+    // The fixture's WAL holds old-format records (CRC over the data).
+    assert!(!durable_sb_at(dir.path()).wal_sums);
+    let wal = std::fs::read(dir.path().join("wal")).unwrap();
+    let (over_data, over_sums, _) = wal_record_crc(&wal, 0, BlockChecksum::Sha256);
+    assert!(over_data && !over_sums);
+    let mut s = Store::open(mk()).unwrap();
+    assert_eq!(s.position(), Tag::new(1, 5));
+    assert_eq!(read1(&s, 8), (fixture_expected(8), true));
+    // Open checkpointed with the new format: flag durable, WAL empty.
+    let sb = durable_sb_at(dir.path());
+    assert!(sb.wal_sums && sb.checksum == BlockChecksum::Sha256);
+    assert_eq!(std::fs::metadata(dir.path().join("wal")).unwrap().len(), 0);
+    s.write(Tag::new(1, 6), 14, 1, Some(&fixture_value(14, 6)))
+        .unwrap();
+    s.flush().unwrap();
+    drop(s); // crash: the record is only in the WAL
+    let wal = std::fs::read(dir.path().join("wal")).unwrap();
+    let (over_data, over_sums, _) = wal_record_crc(&wal, 0, BlockChecksum::Sha256);
+    assert!(over_sums && !over_data);
+    let mut s = Store::open(mk()).unwrap();
+    assert_eq!(s.position(), Tag::new(1, 6));
+    assert_eq!(read1(&s, 14), (fixture_value(14, 6), true));
+    // A clean close goes back to the old format, encoded exactly as
+    // before the flag, so older versions open the store again...
+    s.close().unwrap();
+    let sb = durable_sb_at(dir.path());
+    assert!(!sb.wal_sums && !sb.two_wal && sb.checksum == BlockChecksum::Sha256);
+    // ...and records written after it use the old format too.
+    s.write(Tag::new(1, 7), 15, 1, Some(&fixture_value(15, 7)))
+        .unwrap();
+    s.flush().unwrap();
+    drop(s);
+    let wal = std::fs::read(dir.path().join("wal")).unwrap();
+    let (over_data, over_sums, _) = wal_record_crc(&wal, 0, BlockChecksum::Sha256);
+    assert!(over_data && !over_sums);
+    let mut s = Store::open(mk()).unwrap();
+    assert_eq!(s.position(), Tag::new(1, 7));
+    assert_eq!(read1(&s, 15), (fixture_value(15, 7), true));
+    assert_eq!(read1(&s, 14), (fixture_value(14, 6), true));
+    // Closed and attached again without a restart: the attach moves the
+    // store back to the new format before the next record.
+    s.close().unwrap();
+    assert!(!durable_sb_at(dir.path()).wal_sums);
+    s.set_epoch(2, 8).unwrap();
+    assert!(durable_sb_at(dir.path()).wal_sums);
+    s.write(Tag::new(2, 8), 13, 1, Some(&fixture_value(13, 8)))
+        .unwrap();
+    s.flush().unwrap();
+    drop(s);
+    let wal = std::fs::read(dir.path().join("wal")).unwrap();
+    let (over_data, over_sums, _) = wal_record_crc(&wal, 0, BlockChecksum::Sha256);
+    assert!(over_sums && !over_data);
+    let s = Store::open(mk()).unwrap();
+    assert_eq!(s.position(), Tag::new(2, 8));
+    assert_eq!(read1(&s, 13), (fixture_value(13, 8), true));
+}
+
+#[test]
+fn torn_or_damaged_wal_record_ends_the_wal_in_both_formats() {
+    // Damage to the second of three flushed records: a sector of its data
+    // never written (torn), a flipped data bit, or the WAL cut inside it.
+    // Either record format stops replay at that record, as the CRC over
+    // the data always did: the first record stays, the rest is gone.
+    for new_format in [false, true] {
+        for damage in ["torn", "flip", "cut"] {
+            let dir = tempfile::tempdir().unwrap();
+            let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+            let mut s = Store::create(mk(), 16, ReplicaState::Clean).unwrap();
+            if !new_format {
+                // A clean close leaves the store in the old format.
+                s.close().unwrap();
+            }
+            let a: Vec<u8> = (0..2).flat_map(|b| fixture_value(b, 1)).collect();
+            let b: Vec<u8> = (4..8).flat_map(|b| fixture_value(b, 2)).collect();
+            s.write(Tag::new(1, 1), 0, 2, Some(&a)).unwrap();
+            s.write(Tag::new(1, 2), 4, 4, Some(&b)).unwrap();
+            s.write(Tag::new(1, 3), 10, 1, Some(&fixture_value(10, 3)))
+                .unwrap();
+            s.flush().unwrap();
+            drop(s);
+            assert_eq!(durable_sb_at(dir.path()).wal_sums, new_format);
+            let path = dir.path().join("wal");
+            let mut wal = std::fs::read(&path).unwrap();
+            let c = BlockChecksum::Xxh3;
+            let (d, n, second) = wal_record_crc(&wal, 0, c);
+            assert_eq!((d, n), (!new_format, new_format));
+            let data2 = second + WAL_HDR;
+            assert!(wal_record_crc(&wal, second, c).0 != new_format);
+            match damage {
+                "torn" => wal[data2 + 2 * BLOCK_SIZE..][..512].fill(0),
+                "flip" => wal[data2 + 5000] ^= 0x04,
+                _ => wal.truncate(data2 + 3 * BLOCK_SIZE + 100),
+            }
+            std::fs::write(&path, &wal).unwrap();
+            let s = Store::open(mk()).unwrap();
+            let what = format!("new format {new_format}, {damage}");
+            assert_eq!(s.position(), Tag::new(1, 1), "{what}");
+            let (out, bad) = read_all(&s);
+            assert!(bad.is_empty(), "{what}: {bad:?}");
+            assert_eq!(&out[..2 * BLOCK_SIZE], &a[..], "{what}");
+            assert!(out[2 * BLOCK_SIZE..].iter().all(|&x| x == 0), "{what}");
+        }
+    }
+}

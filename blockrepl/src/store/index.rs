@@ -3,7 +3,7 @@
 //! two-level tables over chunks of [`CHUNK_BLOCKS`] consecutive blocks.
 //!
 //! ```text
-//!  BlockIndex  BTreeMap<chunk, Box<[Option<E>; 512]>>   one slot per block
+//!  BlockIndex  BTreeMap<chunk, ([u64; 8], Vec<E>)>      bitmap + packed entries
 //!  DirtySet    BTreeMap<(layer, chunk), [u64; 8]>        one bit per block
 //! ```
 //!
@@ -40,32 +40,109 @@ fn pieces(lba: u64, n: u64) -> impl Iterator<Item = (u64, usize, usize)> {
     })
 }
 
+/// The entries of one chunk: a presence bitmap and the present entries,
+/// packed in slot order (memory follows the blocks held also when a chunk
+/// holds one block: ~100 bytes, not 512 slots).
 struct Chunk<E> {
-    /// Occupied slots.
-    len: u32,
-    slots: Box<[Option<E>]>,
+    bits: [u64; WORDS],
+    entries: Vec<E>,
 }
 
 impl<E: Copy> Chunk<E> {
     fn new() -> Self {
         Chunk {
-            len: 0,
-            slots: vec![None; CHUNK].into_boxed_slice(),
+            bits: [0; WORDS],
+            entries: Vec::new(),
         }
     }
 
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn has(&self, s: usize) -> bool {
+        self.bits[s / 64] & (1 << (s % 64)) != 0
+    }
+
+    /// Index in `entries` of slot `s` (present or not).
+    fn rank(&self, s: usize) -> usize {
+        if s >= CHUNK {
+            return self.entries.len();
+        }
+        let w = s / 64;
+        let below: u32 = self.bits[..w].iter().map(|b| b.count_ones()).sum();
+        let part = self.bits[w] & ((1u64 << (s % 64)) - 1);
+        (below + part.count_ones()) as usize
+    }
+
+    fn get(&self, s: usize) -> Option<&E> {
+        self.has(s).then(|| &self.entries[self.rank(s)])
+    }
+
+    fn get_mut(&mut self, s: usize) -> Option<&mut E> {
+        if !self.has(s) {
+            return None;
+        }
+        let r = self.rank(s);
+        Some(&mut self.entries[r])
+    }
+
     fn put(&mut self, s: usize, e: E) {
-        if self.slots[s].replace(e).is_none() {
-            self.len += 1;
+        let r = self.rank(s);
+        if self.has(s) {
+            self.entries[r] = e;
+        } else {
+            self.entries.insert(r, e);
+            self.bits[s / 64] |= 1 << (s % 64);
+        }
+    }
+
+    /// Sets slots `s..s + k` to `f(slot)` each.
+    fn put_run(&mut self, s: usize, k: usize, mut f: impl FnMut(usize) -> E) {
+        let r = self.rank(s);
+        let held = self.rank(s + k) - r;
+        if held == k {
+            // Overwrite in place.
+            for (i, e) in self.entries[r..r + k].iter_mut().enumerate() {
+                *e = f(s + i);
+            }
+        } else if r == self.len() {
+            // Nothing at or past `s` yet: append (sequential writes).
+            self.entries.reserve_exact(k);
+            self.entries.extend((s..s + k).map(&mut f));
+        } else {
+            // Merge the run into the packed entries in one pass.
+            let mut out = Vec::with_capacity(self.len() + k - held);
+            out.extend_from_slice(&self.entries[..r]);
+            out.extend((s..s + k).map(&mut f));
+            out.extend_from_slice(&self.entries[r + held..]);
+            self.entries = out;
+        }
+        for i in s..s + k {
+            self.bits[i / 64] |= 1 << (i % 64);
         }
     }
 
     fn take(&mut self, s: usize) -> Option<E> {
-        let old = self.slots[s].take();
-        if old.is_some() {
-            self.len -= 1;
+        if !self.has(s) {
+            return None;
         }
-        old
+        let r = self.rank(s);
+        self.bits[s / 64] &= !(1 << (s % 64));
+        Some(self.entries.remove(r))
+    }
+
+    /// Drops slots `s..`.
+    fn truncate(&mut self, s: usize) {
+        let r = self.rank(s);
+        self.entries.truncate(r);
+        for i in s..CHUNK {
+            self.bits[i / 64] &= !(1 << (i % 64));
+        }
+    }
+
+    fn slots(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..CHUNK).filter(|&i| self.has(i))
     }
 }
 
@@ -84,7 +161,7 @@ impl<E> Default for BlockIndex<E> {
 
 impl<E> fmt::Debug for BlockIndex<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let blocks: u64 = self.chunks.values().map(|c| u64::from(c.len)).sum();
+        let blocks: usize = self.chunks.values().map(|c| c.entries.len()).sum();
         f.debug_struct("BlockIndex")
             .field("chunks", &self.chunks.len())
             .field("blocks", &blocks)
@@ -95,12 +172,12 @@ impl<E> fmt::Debug for BlockIndex<E> {
 impl<E: Copy> BlockIndex<E> {
     pub(crate) fn get(&self, lba: u64) -> Option<&E> {
         let (c, s) = split(lba);
-        self.chunks.get(&c)?.slots[s].as_ref()
+        self.chunks.get(&c)?.get(s)
     }
 
     pub(crate) fn get_mut(&mut self, lba: u64) -> Option<&mut E> {
         let (c, s) = split(lba);
-        self.chunks.get_mut(&c)?.slots[s].as_mut()
+        self.chunks.get_mut(&c)?.get_mut(s)
     }
 
     pub(crate) fn contains_key(&self, lba: u64) -> bool {
@@ -116,9 +193,7 @@ impl<E: Copy> BlockIndex<E> {
     pub(crate) fn insert_run(&mut self, lba: u64, n: u64, mut f: impl FnMut(u64) -> E) {
         for (c, s, k) in pieces(lba, n) {
             let chunk = self.chunks.entry(c).or_insert_with(Chunk::new);
-            for i in s..s + k {
-                chunk.put(i, f(c * CHUNK_BLOCKS + i as u64));
-            }
+            chunk.put_run(s, k, |i| f(c * CHUNK_BLOCKS + i as u64));
         }
     }
 
@@ -126,7 +201,7 @@ impl<E: Copy> BlockIndex<E> {
         let (c, s) = split(lba);
         let chunk = self.chunks.get_mut(&c)?;
         let old = chunk.take(s);
-        if chunk.len == 0 {
+        if chunk.len() == 0 {
             self.chunks.remove(&c);
         }
         old
@@ -134,14 +209,9 @@ impl<E: Copy> BlockIndex<E> {
 
     /// Addresses held, ascending.
     pub(crate) fn keys(&self) -> impl Iterator<Item = u64> + '_ {
-        self.chunks.iter().flat_map(|(&c, chunk)| {
-            chunk
-                .slots
-                .iter()
-                .enumerate()
-                .filter(|(_, e)| e.is_some())
-                .map(move |(i, _)| c * CHUNK_BLOCKS + i as u64)
-        })
+        self.chunks
+            .iter()
+            .flat_map(|(&c, chunk)| chunk.slots().map(move |i| c * CHUNK_BLOCKS + i as u64))
     }
 
     /// Drops every block at or past `end`.
@@ -151,10 +221,8 @@ impl<E: Copy> BlockIndex<E> {
         if s > 0
             && let Some(chunk) = self.chunks.get_mut(&c)
         {
-            for i in s..CHUNK {
-                chunk.take(i);
-            }
-            if chunk.len == 0 {
+            chunk.truncate(s);
+            if chunk.len() == 0 {
                 self.chunks.remove(&c);
             }
         }
@@ -279,6 +347,39 @@ mod tests {
         assert_eq!(idx.chunks.len(), (1 << 18) / CHUNK);
         assert_eq!(idx.get(start + 5), Some(&(start + 5)));
         assert_eq!(idx.get(5), None);
+        // One block in each of 1,000 chunks: one packed entry each.
+        let mut sparse = BlockIndex::<u64>::default();
+        for c in 0..1_000 {
+            sparse.insert(c * CHUNK_BLOCKS * 3 + 7, c);
+        }
+        assert!(sparse.chunks.values().all(|c| c.entries.capacity() <= 4));
+    }
+
+    #[test]
+    fn runs_overwrite_append_and_merge_in_any_order() {
+        let mut idx = BlockIndex::<u64>::default();
+        let mut model = HashMap::new();
+        let mut put = |idx: &mut BlockIndex<u64>, lba: u64, n: u64, v: u64| {
+            idx.insert_run(lba, n, |b| b * 10 + v);
+            for b in lba..lba + n {
+                model.insert(b, b * 10 + v);
+            }
+            for b in 0..2_048 {
+                assert_eq!(idx.get(b), model.get(&b), "block {b}");
+            }
+        };
+        // Descending runs (merge at the front), a run over all of it
+        // (overwrite and merge), ascending (append), single blocks.
+        for (i, lba) in [900u64, 700, 500, 100].into_iter().enumerate() {
+            put(&mut idx, lba, 150, i as u64);
+        }
+        put(&mut idx, 0, 2_048, 5);
+        put(&mut idx, 3, 509, 6);
+        put(&mut idx, 511, 2, 7);
+        idx.truncate(1_000);
+        assert_eq!(idx.keys().count(), 1_000);
+        assert_eq!(idx.get(999), Some(&(999 * 10 + 5)));
+        assert_eq!(idx.get(1_000), None);
     }
 
     #[test]

@@ -1070,3 +1070,32 @@ fn torn_or_damaged_wal_record_ends_the_wal_in_both_formats() {
         }
     }
 }
+
+#[test]
+fn power_loss_keeps_flushed_prefix_in_the_old_wal_record_format() {
+    // As above, with a store a clean close left in the old format (CRC
+    // over the data) and writes after it without an attach.
+    for seed in 0..300u64 {
+        let d = SimDisk::new(seed);
+        let mut rng = Prng::new(seed ^ 0x5eed);
+        let mut s = new_store(&d, 8);
+        s.close().unwrap();
+        s.set_checkpoint_bytes(3 * (BLOCK_SIZE as u64 + 64));
+        let mut flushed = 0u64;
+        let mut history: Vec<(u64, u8)> = vec![];
+        let n = rng.range(1, 20);
+        for i in 1..=n {
+            let lba = rng.below(8);
+            let v = (i % 250) as u8 + 1;
+            s.write(Tag::new(1, i), lba, 1, Some(&blk(v))).unwrap();
+            history.push((lba, v));
+            if rng.chance(0.3) {
+                s.flush().unwrap();
+                flushed = i;
+            }
+        }
+        assert!(!s.sb.wal_sums, "seed {seed}");
+        drop(s);
+        power_loss_keeps_a_prefix(&d, &mut rng, &history, flushed, n, &format!("seed {seed}"));
+    }
+}

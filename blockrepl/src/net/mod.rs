@@ -36,6 +36,7 @@
 
 pub mod server;
 
+use bytes::{Bytes, BytesMut};
 use std::io;
 
 use hmac::{Hmac, Mac};
@@ -43,7 +44,7 @@ use sha2::Sha256;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, Result};
-use crate::proto::msg::MAX_FRAME;
+use crate::proto::msg::{FrameBuf, MAX_FRAME};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -58,8 +59,10 @@ const NONCE: usize = 32;
 const TAG: usize = 16;
 /// Tag of a checksummed frame (XXH3-64).
 const SUM_TAG: usize = 8;
-/// Read buffer of a session (many small frames per `read` syscall).
-pub(crate) const READ_BUFFER: usize = 256 << 10;
+/// Receive buffer allocation of a session: room for the largest frame, so
+/// a frame that starts a read never moves (many small frames are read
+/// with one `read` syscall too).
+const RECV_CHUNK: usize = 4 + MAX_FRAME + TAG;
 /// Queued frame bytes that make [`FrameWriter::send`] write them out.
 const SEND_QUEUE: usize = 1 << 20;
 
@@ -318,7 +321,7 @@ pub struct FrameWriter<W> {
     w: W,
     key: FrameKey,
     seq: u64,
-    buf: Vec<u8>,
+    buf: FrameBuf,
 }
 
 /// Receiving half of an authenticated session.
@@ -327,6 +330,8 @@ pub struct FrameReader<R> {
     r: R,
     key: FrameKey,
     seq: u64,
+    /// Received bytes not yet returned as frames.
+    buf: BytesMut,
 }
 
 impl<W> FrameWriter<W> {
@@ -357,7 +362,10 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     /// Queues one frame whose payload `fill` appends straight to the send
     /// queue (no intermediate buffer: a replica reads blocks into it). If
     /// `fill` fails or the payload is too large, nothing is queued.
-    pub async fn send_with(&mut self, fill: impl FnOnce(&mut Vec<u8>) -> Result<()>) -> Result<()> {
+    pub async fn send_with(
+        &mut self,
+        fill: impl FnOnce(&mut FrameBuf) -> Result<()>,
+    ) -> Result<()> {
         let start = self.buf.len();
         self.buf.extend_from_slice(&[0u8; 4]);
         let at = self.buf.len();
@@ -399,58 +407,87 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     }
 }
 
+impl<R> FrameReader<R> {
+    fn new(r: R, key: FrameKey) -> FrameReader<R> {
+        FrameReader {
+            r,
+            key,
+            seq: 0,
+            buf: BytesMut::new(),
+        }
+    }
+
+    /// Whether a whole frame is already buffered (so `recv` will not wait
+    /// for the peer): callers flush their answers when it is not.
+    pub fn frame_buffered(&self) -> bool {
+        let b = &self.buf[..];
+        b.len() >= 4 && {
+            let len = u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize;
+            b.len() >= 4 + len
+        }
+    }
+}
+
 impl<R: AsyncRead + Unpin> FrameReader<R> {
-    /// Receives one frame; `Ok(None)` at a clean end of stream.
-    pub async fn recv(&mut self) -> Result<Option<Vec<u8>>> {
-        let mut lenb = [0u8; 4];
-        match self.r.read_exact(&mut lenb).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
-            Err(e) => {
-                return Err(Error::Net {
-                    op: "receive frame",
-                    source: e,
-                });
+    /// Receives one frame; `Ok(None)` at a clean end of stream. The payload
+    /// is a view of the receive buffer: bytes are read from the socket
+    /// once, straight into the buffer the frame is returned in.
+    ///
+    /// Buffering: an empty buffer gets room for a whole frame of the
+    /// largest size, so a large frame that starts a read is received in
+    /// place (no copy of its first part out of a read buffer); small
+    /// frames arriving together are read with one call and split off it.
+    pub async fn recv(&mut self) -> Result<Option<Bytes>> {
+        while self.buf.len() < 4 {
+            if self.buf.capacity() - self.buf.len() < 4 {
+                self.buf.reserve(RECV_CHUNK);
             }
-        }
-        let len = u32::from_be_bytes(lenb) as usize;
-        let tag = self.key.tag_len();
-        if !(tag..=MAX_FRAME + tag).contains(&len) {
-            return Err(Error::Auth(format!("frame length {len} out of range")));
-        }
-        // Filled straight from the socket (no zeroing first: `read_buf`
-        // only appends initialized bytes).
-        let mut buf = Vec::with_capacity(len);
-        while buf.len() < len {
-            let want = (len - buf.len()) as u64;
-            let n = (&mut self.r)
-                .take(want)
-                .read_buf(&mut buf)
+            let n = self
+                .r
+                .read_buf(&mut self.buf)
                 .await
                 .map_err(net("receive frame"))?;
             if n == 0 {
+                if self.buf.is_empty() {
+                    return Ok(None);
+                }
                 return Err(Error::Net {
                     op: "receive frame",
                     source: io::ErrorKind::UnexpectedEof.into(),
                 });
             }
         }
-        let n = self.key.open(self.seq, &mut buf)?;
-        self.seq += 1;
-        buf.truncate(n);
-        Ok(Some(buf))
-    }
-}
-
-impl<R: AsyncRead + Unpin> FrameReader<tokio::io::BufReader<R>> {
-    /// Whether a whole frame is already buffered (so `recv` will not wait
-    /// for the peer): callers flush their answers when it is not.
-    pub fn frame_buffered(&self) -> bool {
-        let b = self.r.buffer();
-        b.len() >= 4 && {
-            let len = u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize;
-            b.len() >= 4 + len
+        let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        let tag = self.key.tag_len();
+        if !(tag..=MAX_FRAME + tag).contains(&len) {
+            return Err(Error::Auth(format!("frame length {len} out of range")));
         }
+        let total = 4 + len;
+        if self.buf.len() < total {
+            self.buf.reserve(total - self.buf.len());
+            // Only this frame's bytes: what follows is read with the next
+            // frame's header, into a buffer of its own size.
+            while self.buf.len() < total {
+                let want = (total - self.buf.len()) as u64;
+                let n = (&mut self.r)
+                    .take(want)
+                    .read_buf(&mut self.buf)
+                    .await
+                    .map_err(net("receive frame"))?;
+                if n == 0 {
+                    return Err(Error::Net {
+                        op: "receive frame",
+                        source: io::ErrorKind::UnexpectedEof.into(),
+                    });
+                }
+            }
+        }
+        let mut frame = self.buf.split_to(total);
+        let _ = frame.split_to(4);
+        let n = self.key.open(self.seq, &mut frame)?;
+        self.seq += 1;
+        frame.truncate(n);
+        Ok(Some(frame.freeze()))
     }
 }
 
@@ -474,16 +511,12 @@ fn session<R, W>(
     let s2c = secret.mac(&[b"s2c", nc, ns, &mode]);
     let (rk, wk) = if client { (s2c, c2s) } else { (c2s, s2c) };
     (
-        FrameReader {
-            r,
-            key: FrameKey::new(&rk, checksummed),
-            seq: 0,
-        },
+        FrameReader::new(r, FrameKey::new(&rk, checksummed)),
         FrameWriter {
             w,
             key: FrameKey::new(&wk, checksummed),
             seq: 0,
-            buf: Vec::new(),
+            buf: FrameBuf::new(),
         },
     )
 }
@@ -603,7 +636,7 @@ mod tests {
         let (mut r, mut w) = client_handshake(ar, aw, &s, loopback).await.unwrap();
         w.send(b"hello").await.unwrap();
         w.flush().await.unwrap();
-        assert_eq!(r.recv().await.unwrap().unwrap(), b"hello");
+        assert_eq!(r.recv().await.unwrap().unwrap(), &b"hello"[..]);
         (r.checksummed() && w.checksummed(), srv.await.unwrap())
     }
 
@@ -685,6 +718,22 @@ mod tests {
         assert!(e.to_string().contains("plain"), "{e}");
     }
 
+    /// A reader that returns at most `.1` bytes per read.
+    struct Trickle<'a>(&'a [u8], usize);
+
+    impl tokio::io::AsyncRead for Trickle<'_> {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<io::Result<()>> {
+            let n = self.0.len().min(self.1).min(buf.remaining());
+            buf.put_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
     fn keys() -> [fn() -> FrameKey; 2] {
         [
             || FrameKey::new(&[3u8; 32], false),
@@ -699,7 +748,7 @@ mod tests {
                 w: Vec::new(),
                 key: key(),
                 seq: 0,
-                buf: Vec::new(),
+                buf: FrameBuf::new(),
             };
             let big: Vec<u8> = (0..(1usize << 20)).map(|i| (i % 251) as u8).collect();
             w.send(b"small").await.unwrap();
@@ -720,39 +769,45 @@ mod tests {
                 .await;
             assert!(e.is_err());
             let e = w.send_with(|b| {
-                b.resize(b.len() + MAX_FRAME + 1, 0);
+                let n = b.len() + MAX_FRAME + 1;
+                b.resize(n, 0);
                 Ok(())
             });
             assert!(matches!(e.await, Err(Error::TooLarge { .. })));
             w.flush().await.unwrap();
-            let mut r = FrameReader {
-                r: tokio::io::BufReader::with_capacity(64, &w.w[..]),
-                key: key(),
-                seq: 0,
-            };
-            assert!(!r.frame_buffered(), "nothing read yet");
-            assert_eq!(r.recv().await.unwrap().unwrap(), b"small");
-            assert_eq!(r.recv().await.unwrap().unwrap(), big);
-            assert_eq!(r.recv().await.unwrap().unwrap(), b"after");
-            assert!(r.recv().await.unwrap().is_none());
+            // Whole reads, and reads of a few bytes at a time (every
+            // split of headers and bodies).
+            for step in [usize::MAX, 7, 1 << 16] {
+                let mut r = FrameReader::new(Trickle(&w.w[..], step), key());
+                assert!(!r.frame_buffered(), "nothing read yet");
+                assert_eq!(r.recv().await.unwrap().unwrap(), &b"small"[..]);
+                assert_eq!(r.recv().await.unwrap().unwrap(), big);
+                assert_eq!(r.recv().await.unwrap().unwrap(), &b"after"[..]);
+                assert!(r.recv().await.unwrap().is_none());
+            }
+            // A stream cut inside a frame is an error, not a clean end.
+            for cut in [2, 9, w.w.len() - 1] {
+                let mut r = FrameReader::new(Trickle(&w.w[..cut], 5), key());
+                let mut res = r.recv().await;
+                while let Ok(Some(_)) = res {
+                    res = r.recv().await;
+                }
+                assert!(matches!(res, Err(Error::Net { .. })), "cut {cut}: {res:?}");
+            }
             // Two small frames arrive in one buffer fill: the second is buffered.
             let mut w2 = FrameWriter {
                 w: Vec::new(),
                 key: key(),
                 seq: 0,
-                buf: Vec::new(),
+                buf: FrameBuf::new(),
             };
             w2.send(b"one").await.unwrap();
             w2.send(b"two").await.unwrap();
             w2.flush().await.unwrap();
-            let mut r = FrameReader {
-                r: tokio::io::BufReader::with_capacity(4096, &w2.w[..]),
-                key: key(),
-                seq: 0,
-            };
-            assert_eq!(r.recv().await.unwrap().unwrap(), b"one");
+            let mut r = FrameReader::new(&w2.w[..], key());
+            assert_eq!(r.recv().await.unwrap().unwrap(), &b"one"[..]);
             assert!(r.frame_buffered());
-            assert_eq!(r.recv().await.unwrap().unwrap(), b"two");
+            assert_eq!(r.recv().await.unwrap().unwrap(), &b"two"[..]);
             assert!(!r.frame_buffered());
         }
     }
@@ -782,7 +837,7 @@ mod tests {
                 w: Vec::new(),
                 key: key(),
                 seq: 0,
-                buf: Vec::new(),
+                buf: FrameBuf::new(),
             };
             w.send(b"one").await.unwrap();
             w.flush().await.unwrap();
@@ -792,29 +847,18 @@ mod tests {
             // Replay frame 0 in place of frame 1.
             let mut stream = first.clone();
             stream.extend_from_slice(&first);
-            let mut r = FrameReader {
-                r: &stream[..],
-                key: key(),
-                seq: 0,
-            };
-            assert_eq!(r.recv().await.unwrap().unwrap(), b"one");
+            let mut r = FrameReader::new(&stream[..], key());
+            assert_eq!(r.recv().await.unwrap().unwrap(), &b"one"[..]);
             assert!(matches!(r.recv().await, Err(Error::Auth(_))));
             // Flip a payload bit.
             let mut forged = w.w.clone();
             forged[5] ^= 1;
-            let mut r = FrameReader {
-                r: &forged[..],
-                key: key(),
-                seq: 0,
-            };
+            let mut r = FrameReader::new(&forged[..], key());
             assert!(matches!(r.recv().await, Err(Error::Auth(_))));
             // Absurd and too-short lengths.
             for len in [u32::MAX, 3] {
-                let mut r = FrameReader {
-                    r: &len.to_be_bytes()[..],
-                    key: key(),
-                    seq: 0,
-                };
+                let lb = len.to_be_bytes();
+                let mut r = FrameReader::new(&lb[..], key());
                 assert!(matches!(r.recv().await, Err(Error::Auth(_))));
             }
         }
@@ -826,7 +870,7 @@ mod tests {
             w: Vec::new(),
             key: FrameKey::new(&[9u8; 32], true),
             seq: 0,
-            buf: Vec::new(),
+            buf: FrameBuf::new(),
         };
         w.send(b"plain payload").await.unwrap();
         w.flush().await.unwrap();
@@ -836,7 +880,7 @@ mod tests {
             w: Vec::new(),
             key: FrameKey::new(&[9u8; 32], false),
             seq: 0,
-            buf: Vec::new(),
+            buf: FrameBuf::new(),
         };
         e.send(b"plain payload").await.unwrap();
         e.flush().await.unwrap();

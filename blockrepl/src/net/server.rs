@@ -16,14 +16,13 @@ use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::io::BufReader;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::{READ_BUFFER, Secret, client_handshake, server_handshake};
+use super::{Secret, client_handshake, server_handshake};
 use crate::error::{Error, Result};
-use crate::proto::msg::{Op, Refusal, ReqFrame, Request, RespFrame, Response};
+use crate::proto::msg::{FrameBuf, Op, Refusal, ReqFrame, Request, RespFrame, Response};
 use crate::proto::replica::ReplicaCore;
 
 /// Where a replica thread sends a response: the channel and a tag the
@@ -81,7 +80,7 @@ fn apply(core: &Mutex<ReplicaCore>, frame: ReqFrame) -> RespFrame {
 
 /// [`apply`], with the answer encoded into `out`. A read is answered
 /// in place: its blocks are read from the store into `out`.
-fn apply_into(core: &Mutex<ReplicaCore>, frame: ReqFrame, out: &mut Vec<u8>) {
+fn apply_into(core: &Mutex<ReplicaCore>, frame: ReqFrame, out: &mut FrameBuf) {
     match core.lock() {
         Ok(mut c) => {
             c.set_time(crate::net::mono_us());
@@ -145,7 +144,7 @@ impl ReplicaThread {
 
     /// [`ReplicaThread::apply_inline`], with the answer encoded into `out`
     /// (a frame in a send queue; reads are answered in place).
-    pub fn apply_inline_into(&self, frame: ReqFrame, out: &mut Vec<u8>) {
+    pub fn apply_inline_into(&self, frame: ReqFrame, out: &mut FrameBuf) {
         let quick = is_quick(&frame.req);
         let multi = !quick
             && tokio::runtime::Handle::try_current()
@@ -189,7 +188,6 @@ async fn serve_conn(
 ) -> Result<()> {
     let _ = sock.set_nodelay(true);
     let (r, w) = sock.into_split();
-    let r = BufReader::with_capacity(READ_BUFFER, r);
     let (mut rd, mut wr) = tokio::time::timeout(
         Duration::from_secs(10),
         server_handshake(r, w, &secret, peer.ip().is_loopback()),
@@ -208,7 +206,7 @@ async fn serve_conn(
             None => return wr.flush().await,
         };
         // Write data stays in the received frame (no copy).
-        let req = ReqFrame::decode_bytes(&frame.into()).map_err(Error::Decode)?;
+        let req = ReqFrame::decode_bytes(&frame).map_err(Error::Decode)?;
         // The answer is encoded straight into the send queue: a read's
         // blocks go from the store into the frame.
         wr.send_with(|out| {
@@ -244,7 +242,6 @@ pub async fn remote_link(
                 })?;
             let _ = sock.set_nodelay(true);
             let (r, w) = sock.into_split();
-            let r = BufReader::with_capacity(READ_BUFFER, r);
             tokio::time::timeout(
                 Duration::from_secs(5),
                 client_handshake(r, w, &secret, addr.ip().is_loopback()),
@@ -273,7 +270,7 @@ pub async fn remote_link(
             loop {
                 match rd.recv().await {
                     // Read data stays in the received frame (no copy).
-                    Ok(Some(f)) => match RespFrame::decode_bytes(&f.into()) {
+                    Ok(Some(f)) => match RespFrame::decode_bytes(&f) {
                         Ok(resp) => {
                             if ev.send((id, Some(resp))).is_err() {
                                 return;

@@ -19,6 +19,84 @@ pub const MAX_IO_BLOCKS: usize = 256;
 /// Largest frame payload the codec accepts.
 pub const MAX_FRAME: usize = 64 + MAX_IO_BLOCKS * (BLOCK_SIZE + 32);
 
+/// A send queue of frames: a byte vector that also remembers how much of
+/// its allocation holds bytes written earlier, so a large payload (a
+/// replica's read answer) can be read into it without zeroing it first.
+///
+/// It dereferences to the `Vec<u8>` for ordinary appends.
+/// [`FrameBuf::extend_unspecified`] appends bytes whose contents are
+/// unspecified (stale bytes of frames already sent on this connection, or
+/// zeros); its caller overwrites every one of them.
+#[derive(Debug, Default)]
+pub struct FrameBuf {
+    vec: Vec<u8>,
+    /// Bytes at the start of the current allocation known to have been
+    /// written (at least `vec.len()` whenever it is used).
+    init: usize,
+    /// Address of the allocation `init` describes.
+    addr: usize,
+}
+
+impl FrameBuf {
+    /// An empty queue.
+    pub fn new() -> FrameBuf {
+        FrameBuf::default()
+    }
+
+    /// Records the current length in the high-water mark, or restarts the
+    /// mark if the vector moved to a new allocation since it was taken.
+    fn note(&mut self) {
+        let addr = self.vec.as_ptr() as usize;
+        if addr != self.addr {
+            self.addr = addr;
+            self.init = self.vec.len();
+        } else {
+            self.init = self.init.max(self.vec.len());
+        }
+    }
+
+    /// Empties the queue, keeping its allocation and what it knows of it.
+    pub fn clear(&mut self) {
+        self.note();
+        self.vec.clear();
+    }
+
+    /// Appends `n` bytes and returns them. Their contents are unspecified
+    /// (bytes of earlier frames or zeros): the caller must overwrite all
+    /// of them before the frame is sent. Unlike `resize(len + n, 0)` this
+    /// does not write the bytes the allocation already holds.
+    pub fn extend_unspecified(&mut self, n: usize) -> &mut [u8] {
+        self.note();
+        let len = self.vec.len();
+        self.vec.reserve(n);
+        self.note();
+        let stale = self.init.saturating_sub(len).min(n);
+        // SAFETY: `len + stale <= init <= capacity`, and bytes `..init` of
+        // this allocation (its address is unchanged since `init` was
+        // recorded, `note` restarts the mark otherwise) were all written
+        // through this vector earlier; `clear`/`truncate` of a `Vec<u8>`
+        // only lower its length and never de-initialise bytes, so the
+        // bytes exposed here are initialised `u8`s.
+        unsafe { self.vec.set_len(len + stale) };
+        self.vec.resize(len + n, 0);
+        self.init = self.init.max(len + n);
+        &mut self.vec[len..]
+    }
+}
+
+impl std::ops::Deref for FrameBuf {
+    type Target = Vec<u8>;
+    fn deref(&self) -> &Vec<u8> {
+        &self.vec
+    }
+}
+
+impl std::ops::DerefMut for FrameBuf {
+    fn deref_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.vec
+    }
+}
+
 /// A malformed message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -725,22 +803,25 @@ impl RespFrame {
 
     /// Appends a [`Response::Data`] frame of `blocks` blocks to `out`,
     /// with the data filled in place by `read` (which returns the bad
-    /// blocks, as [`Response::Data`] carries them). On an error nothing is
-    /// appended. The same bytes as [`RespFrame::encode_into`] of the
-    /// finished response.
+    /// blocks, as [`Response::Data`] carries them). `read` must write every
+    /// byte of the slice it gets (it starts with unspecified contents, see
+    /// [`FrameBuf::extend_unspecified`]). On an error nothing is appended.
+    /// The same bytes as [`RespFrame::encode_into`] of the finished
+    /// response.
     pub fn encode_data_into<E>(
         id: u64,
         blocks: u32,
-        out: &mut Vec<u8>,
+        out: &mut FrameBuf,
         read: impl FnOnce(&mut [u8]) -> Result<Vec<(u64, u64)>, E>,
     ) -> Result<(), E> {
         let start = out.len();
         out.put_u64_le(id);
         out.put_u8(3);
         out.put_u32_le(blocks);
-        let at = out.len();
-        out.resize(at + blocks as usize * BLOCK_SIZE, 0);
-        match read(&mut out[at..]) {
+        // `read` overwrites every byte (the block data, or zeros in place
+        // of blocks it reports bad): no need to zero them first.
+        let data = out.extend_unspecified(blocks as usize * BLOCK_SIZE);
+        match read(data) {
             Ok(bad) => {
                 out.put_u32_le(bad.len() as u32);
                 for (l, y) in bad {
@@ -942,6 +1023,35 @@ mod tests {
         (any::<u64>(), any::<u64>()).prop_map(|(e, i)| Tag::new(e, i))
     }
 
+    #[test]
+    fn frame_buf_reuses_written_bytes_and_zeroes_the_rest() {
+        let mut q = FrameBuf::new();
+        // A fresh allocation: zeros.
+        assert!(q.extend_unspecified(100).iter().all(|&b| b == 0));
+        q.clear();
+        q.extend_from_slice(&[1, 2]);
+        q.extend_unspecified(50).fill(9);
+        q.clear();
+        // Bytes written earlier are handed back as they are (not zeroed
+        // again); past the high-water mark they are zeros.
+        q.push(5);
+        let d = q.extend_unspecified(60);
+        assert_eq!(d.len(), 60);
+        assert_eq!(&d[..1], &[2]);
+        assert!(d[1..51].iter().all(|&b| b == 9));
+        assert!(d[51..].iter().all(|&b| b == 0));
+        assert_eq!(q.len(), 61);
+        // Growing past the allocation: whether it moves (the mark restarts
+        // at the length) or grows in place, nothing past the old mark is
+        // anything but zeros.
+        let cap = q.capacity();
+        q.clear();
+        q.push(1);
+        let d = q.extend_unspecified(cap * 4);
+        assert_eq!(d.len(), cap * 4);
+        assert!(d[60..].iter().all(|&b| b == 0));
+    }
+
     fn layers() -> impl Strategy<Value = Vec<LayerInfo>> {
         prop::collection::vec(
             (any::<u64>(), "[a-z0-9]{0,12}", tag()).prop_map(|(id, name, created)| LayerInfo {
@@ -1059,19 +1169,29 @@ mod tests {
         ) {
             let data = Bytes::from(vec![fill; blocks as usize * BLOCK_SIZE]);
             let f = RespFrame { id, resp: Response::Data { data, bad: bad.clone() } };
-            let mut q = vec![7u8; 3];
+            let mut q = FrameBuf::new();
+            q.extend_from_slice(&[7u8; 3]);
             RespFrame::encode_data_into::<()>(id, blocks, &mut q, |b| {
                 b.fill(fill);
-                Ok(bad)
+                Ok(bad.clone())
             }).unwrap();
             prop_assert_eq!(&q[3..], &f.encode()[..]);
             let owned = Bytes::copy_from_slice(&q[3..]);
-            prop_assert_eq!(RespFrame::decode_bytes(&owned), Ok(f));
+            prop_assert_eq!(RespFrame::decode_bytes(&owned), Ok(f.clone()));
             // A failed read appends nothing.
             let before = q.len();
             let r = RespFrame::encode_data_into(id, blocks, &mut q, |_| Err("io"));
             prop_assert_eq!(r, Err("io"));
             prop_assert_eq!(q.len(), before);
+            // Built again over the stale bytes of the first answer: the
+            // same frame.
+            q.clear();
+            q.extend_from_slice(&[7u8; 3]);
+            RespFrame::encode_data_into::<()>(id, blocks, &mut q, |b| {
+                b.fill(fill);
+                Ok(bad.clone())
+            }).unwrap();
+            prop_assert_eq!(&q[3..], &f.encode()[..]);
         }
 
         #[test]

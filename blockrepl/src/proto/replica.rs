@@ -11,7 +11,9 @@
 use tracing::{debug, warn};
 
 use crate::error::Error;
-use crate::proto::msg::{CopyEntry, MAX_IO_BLOCKS, Op, Refusal, Request, RespFrame, Response};
+use crate::proto::msg::{
+    CopyEntry, FrameBuf, MAX_IO_BLOCKS, Op, Refusal, Request, RespFrame, Response,
+};
 use crate::store::disk::StoreDir;
 use crate::store::{SetBlock, Store};
 use crate::types::{BLOCK_SIZE, BlockTag, ReplicaState, Tag};
@@ -171,7 +173,7 @@ impl ReplicaCore {
     /// payload of a [`RespFrame`] with id `id`. A read that is served is
     /// read from the store straight into `out` (no buffer of its own, no
     /// copy into the frame).
-    pub fn handle_into(&mut self, id: u64, req: Request, out: &mut Vec<u8>) {
+    pub fn handle_into(&mut self, id: u64, req: Request, out: &mut FrameBuf) {
         if let Request::Read { epoch, lba, blocks } = req
             && self.attached
             && let Some(store) = self.store.as_ref()

@@ -21,7 +21,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{Semaphore, mpsc};
 use tracing::{debug, info, warn};
@@ -395,7 +395,7 @@ impl NbdServer {
     ) -> Result<(), NbdError> {
         let cfg = &self.inner.cfg;
         let (rd, wr) = tokio::io::split(sock);
-        let mut rd = BufReader::with_capacity(256 << 10, rd);
+        let mut rd = Requests::new(rd);
         let (tx, rx) = mpsc::channel::<Reply>(cfg.max_in_flight.max(1));
         let writer = tokio::spawn(write_replies(wr, rx, session.structured));
         let slots = Arc::new(Semaphore::new(cfg.max_in_flight.max(1)));
@@ -404,9 +404,9 @@ impl NbdServer {
         let counters = &self.inner.counters;
         let mut hdr = [0u8; REQUEST_HEADER_LEN];
         let result = loop {
-            match rd.read_exact(&mut hdr).await {
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break Ok(()),
+            match rd.header(&mut hdr).await {
+                Ok(true) => {}
+                Ok(false) => break Ok(()),
                 Err(e) => break Err(io("read request")(e)),
             }
             counters.requests.fetch_add(1, Ordering::Relaxed);
@@ -420,18 +420,11 @@ impl NbdServer {
                 }) => {
                     debug!(cookie, errno, reason, "request rejected");
                     counters.request_errors.fetch_add(1, Ordering::Relaxed);
-                    let mut left = skip as u64;
-                    if left > 0 {
-                        let copied =
-                            tokio::io::copy(&mut (&mut rd).take(left), &mut tokio::io::sink())
-                                .await
-                                .map_err(io("skip payload"));
-                        match copied {
-                            Ok(n) => left -= n,
-                            Err(e) => break Err(e),
-                        }
-                        if left > 0 {
-                            break Err(NbdError::Disconnected);
+                    if skip > 0 {
+                        match rd.skip(skip as usize).await {
+                            Ok(true) => {}
+                            Ok(false) => break Err(NbdError::Disconnected),
+                            Err(e) => break Err(io("skip payload")(e)),
                         }
                     }
                     let reply = Reply::Error {
@@ -461,9 +454,10 @@ impl NbdServer {
                 break Err(NbdError::Disconnected);
             };
             let payload = if req.cmd == Command::Write {
-                match read_payload(&mut rd, req.len as usize).await {
-                    Ok(b) => b,
-                    Err(e) => break Err(e),
+                match rd.payload(req.len as usize).await {
+                    Ok(Some(b)) => b,
+                    Ok(None) => break Err(NbdError::Disconnected),
+                    Err(e) => break Err(io("read write payload")(e)),
                 }
             } else {
                 Bytes::new()
@@ -494,22 +488,87 @@ impl NbdServer {
     }
 }
 
-/// Reads exactly `len` payload bytes into a fresh buffer (not zeroed
-/// first: the socket fills it) and never past them.
-async fn read_payload<R: AsyncRead + Unpin>(rd: &mut R, len: usize) -> Result<Bytes, NbdError> {
-    let mut b = BytesMut::with_capacity(len);
-    while b.len() < len {
-        let left = (len - b.len()) as u64;
-        let n = (&mut *rd)
-            .take(left)
-            .read_buf(&mut b)
-            .await
-            .map_err(io("read write payload"))?;
-        if n == 0 {
-            return Err(NbdError::Disconnected);
+/// Receive buffer of a connection's request stream: room for a header
+/// and a 1 MiB payload, so the payload of a write that starts a read is
+/// received in place and handed on as a view of the buffer (no copy out
+/// of a read buffer), while many small requests still arrive with one
+/// `read` call.
+const RECV_CHUNK: usize = REQUEST_HEADER_LEN + (1 << 20);
+
+/// The request stream of a connection, read through its own buffer.
+struct Requests<R> {
+    r: R,
+    buf: BytesMut,
+}
+
+impl<R: AsyncRead + Unpin> Requests<R> {
+    fn new(r: R) -> Requests<R> {
+        Requests {
+            r,
+            buf: BytesMut::new(),
         }
     }
-    Ok(b.freeze())
+
+    /// Reads until at least `n` bytes are buffered. With `exact`, reads
+    /// no further than that (a payload's bytes, not the requests after
+    /// it); otherwise as much as has arrived. `false` if the stream ends
+    /// first.
+    async fn fill(&mut self, n: usize, exact: bool) -> std::io::Result<bool> {
+        if self.buf.len() >= n {
+            return Ok(true);
+        }
+        let room = if exact { n } else { n.max(RECV_CHUNK) };
+        if self.buf.capacity() < n {
+            self.buf.reserve(room - self.buf.len());
+        }
+        while self.buf.len() < n {
+            let got = if exact {
+                let want = (n - self.buf.len()) as u64;
+                (&mut self.r).take(want).read_buf(&mut self.buf).await?
+            } else {
+                self.r.read_buf(&mut self.buf).await?
+            };
+            if got == 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads one request header into `out`; `false` at the end of the
+    /// stream (a header cut short counts as the end).
+    async fn header(&mut self, out: &mut [u8]) -> std::io::Result<bool> {
+        if !self.fill(out.len(), false).await? {
+            return Ok(false);
+        }
+        out.copy_from_slice(&self.buf.split_to(out.len()));
+        Ok(true)
+    }
+
+    /// The next `len` bytes (a write's payload), read once, straight into
+    /// the buffer they are returned in; `None` if the stream ends first.
+    async fn payload(&mut self, len: usize) -> std::io::Result<Option<Bytes>> {
+        if !self.fill(len, true).await? {
+            return Ok(None);
+        }
+        Ok(Some(self.buf.split_to(len).freeze()))
+    }
+
+    /// Discards the next `len` bytes (the payload of a refused request);
+    /// `false` if the stream ends first.
+    async fn skip(&mut self, mut len: usize) -> std::io::Result<bool> {
+        loop {
+            let n = len.min(self.buf.len());
+            let _ = self.buf.split_to(n);
+            len -= n;
+            if len == 0 {
+                return Ok(true);
+            }
+            if !self.fill(len.min(RECV_CHUNK), true).await? {
+                return Ok(false);
+            }
+        }
+    }
 }
 
 fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> NbdError {
@@ -647,4 +706,55 @@ async fn write_replies(
     wr.flush().await.map_err(io("flush replies"))?;
     let _ = wr.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader that returns at most `.1` bytes per read (from `.2` on).
+    struct Trickle(Vec<u8>, usize, usize);
+
+    impl AsyncRead for Trickle {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            let at = self.2;
+            let n = (self.0.len() - at).min(self.1).min(buf.remaining());
+            buf.put_slice(&self.0[at..at + n]);
+            self.2 += n;
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn request_stream_splits_headers_payloads_and_skips() {
+        let big: Vec<u8> = (0..(1usize << 20) + 4096)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let mut stream = Vec::new();
+        stream.extend_from_slice(&[1u8; REQUEST_HEADER_LEN]);
+        stream.extend_from_slice(&big);
+        stream.extend_from_slice(&[2u8; REQUEST_HEADER_LEN]);
+        stream.extend_from_slice(&[9u8; 5000]);
+        stream.extend_from_slice(&[3u8; REQUEST_HEADER_LEN]);
+        stream.extend_from_slice(b"tail");
+        for step in [usize::MAX, 5, 4096, 1 << 16] {
+            let mut rd = Requests::new(Trickle(stream.clone(), step, 0));
+            let mut hdr = [0u8; REQUEST_HEADER_LEN];
+            assert!(rd.header(&mut hdr).await.unwrap());
+            assert_eq!(hdr, [1u8; REQUEST_HEADER_LEN]);
+            assert_eq!(rd.payload(big.len()).await.unwrap().unwrap(), big);
+            assert!(rd.header(&mut hdr).await.unwrap());
+            assert_eq!(hdr, [2u8; REQUEST_HEADER_LEN]);
+            assert!(rd.skip(5000).await.unwrap());
+            assert!(rd.header(&mut hdr).await.unwrap());
+            assert_eq!(hdr, [3u8; REQUEST_HEADER_LEN]);
+            // The stream ends inside a payload or a header.
+            assert!(rd.payload(5).await.unwrap().is_none(), "step {step}");
+            assert!(!rd.header(&mut hdr).await.unwrap());
+        }
+    }
 }

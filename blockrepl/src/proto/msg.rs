@@ -1169,12 +1169,17 @@ mod tests {
         ) {
             let data = Bytes::from(vec![fill; blocks as usize * BLOCK_SIZE]);
             let f = RespFrame { id, resp: Response::Data { data, bad: bad.clone() } };
+            // Appends the answer after three bytes of another frame.
+            let build = |q: &mut FrameBuf| {
+                q.clear();
+                q.extend_from_slice(&[7u8; 3]);
+                RespFrame::encode_data_into::<()>(id, blocks, q, |b| {
+                    b.fill(fill);
+                    Ok(bad.clone())
+                })
+            };
             let mut q = FrameBuf::new();
-            q.extend_from_slice(&[7u8; 3]);
-            RespFrame::encode_data_into::<()>(id, blocks, &mut q, |b| {
-                b.fill(fill);
-                Ok(bad.clone())
-            }).unwrap();
+            build(&mut q).unwrap();
             prop_assert_eq!(&q[3..], &f.encode()[..]);
             let owned = Bytes::copy_from_slice(&q[3..]);
             prop_assert_eq!(RespFrame::decode_bytes(&owned), Ok(f.clone()));
@@ -1185,12 +1190,7 @@ mod tests {
             prop_assert_eq!(q.len(), before);
             // Built again over the stale bytes of the first answer: the
             // same frame.
-            q.clear();
-            q.extend_from_slice(&[7u8; 3]);
-            RespFrame::encode_data_into::<()>(id, blocks, &mut q, |b| {
-                b.fill(fill);
-                Ok(bad.clone())
-            }).unwrap();
+            build(&mut q).unwrap();
             prop_assert_eq!(&q[3..], &f.encode()[..]);
         }
 

@@ -17,6 +17,10 @@ use crate::proto::engine::{Bugs, ClientOp, Engine, EngineConfig, OpOutput, Outpu
 use crate::proto::msg::{ReqFrame, RespFrame};
 use crate::proto::replica::ReplicaCore;
 use crate::store::Store;
+
+/// Extent (redirect-on-write) threshold of the simulated stores, in
+/// blocks: the workload's two-block writes take the extent path.
+pub const SIM_EXTENT_BLOCKS: u32 = 2;
 use crate::store::disk::StoreDir;
 use crate::types::{BLOCK_SIZE, BlockTag, ReplicaState};
 
@@ -333,6 +337,8 @@ impl Sim {
             let mut store = store;
             // Small WAL threshold so checkpoints happen often.
             store.set_checkpoint_bytes(64 << 10);
+            // Two-block writes take the extent (redirect-on-write) path.
+            store.set_extent_threshold(SIM_EXTENT_BLOCKS);
             let mut core = ReplicaCore::new(store, factory(&disk));
             core.set_lease_limit(
                 cfg.read_lease_us,
@@ -796,6 +802,7 @@ impl Sim {
                 core.set_time(self.replicas[r].clock.read(self.now));
                 if let Some(s) = core.store_mut() {
                     s.set_checkpoint_bytes(64 << 10);
+                    s.set_extent_threshold(SIM_EXTENT_BLOCKS);
                 }
                 self.replicas[r].core = Some(core);
                 self.replicas[r].busy_until = self.now;

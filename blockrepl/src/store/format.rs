@@ -57,6 +57,11 @@ pub struct Superblock {
     /// [`WalHeader::encode_sums`]; older versions refuse the store while
     /// it is set).
     pub wal_sums: bool,
+    /// Layers may have extent files (`layer-N.ext`) that metadata entries
+    /// ([`META_EXTENT`]) and WAL records ([`WalKind::ExtWrite`]) point
+    /// into (flag 32, set before the first extent write and never cleared;
+    /// older versions refuse the store).
+    pub extents: bool,
 }
 
 const SB_OPEN: u8 = 1;
@@ -74,7 +79,12 @@ const SB_TWO_WAL: u8 = 8;
 /// a CRC mismatch at the first such record and take it for the end of the
 /// WAL, dropping flushed writes, so they must refuse such a store.
 const SB_WAL_SUMS: u8 = 16;
-const SB_KNOWN: u8 = SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL | SB_WAL_SUMS;
+/// Layers may hold data in extent files (redirect-on-write of large
+/// writes). Versions before it would take every extent metadata entry for
+/// damage and an extent WAL record for the end of the WAL, so they must
+/// refuse such a store.
+const SB_EXTENTS: u8 = 32;
+const SB_KNOWN: u8 = SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL | SB_WAL_SUMS | SB_EXTENTS;
 
 /// Why a superblock slot was not decoded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -202,7 +212,8 @@ impl Superblock {
                 | if self.recovered { SB_RECOVERED } else { 0 }
                 | if legacy { 0 } else { SB_CHECKSUM }
                 | if self.two_wal { SB_TWO_WAL } else { 0 }
-                | if self.wal_sums { SB_WAL_SUMS } else { 0 };
+                | if self.wal_sums { SB_WAL_SUMS } else { 0 }
+                | if self.extents { SB_EXTENTS } else { 0 };
             w.put(&[flags])?;
             if !legacy {
                 w.put(&[self.checksum.code()])?;
@@ -282,6 +293,7 @@ impl Superblock {
             checksum,
             two_wal: flags & SB_TWO_WAL != 0,
             wal_sums: flags & SB_WAL_SUMS != 0,
+            extents: flags & SB_EXTENTS != 0,
         }))
     }
 }
@@ -301,7 +313,12 @@ pub const META_ZERO: u32 = 2;
 /// either direction.
 pub const META_DAMAGED: u32 = 4;
 const META_DAMAGED_SEAL: u32 = 0x4441_4d47; // "DAMG"
-const META_KNOWN: u32 = META_PRESENT | META_ZERO | META_DAMAGED;
+/// Metadata flag: the block's data is in the layer's extent file, at the
+/// extent block number in bytes 24..28 (only in stores with the
+/// superblock's `extents` flag; versions without it see unknown flags and
+/// take the entry for damage, which that flag keeps from happening).
+pub const META_EXTENT: u32 = 8;
+const META_KNOWN: u32 = META_PRESENT | META_ZERO | META_DAMAGED | META_EXTENT;
 
 /// Per-block metadata of one layer: which write produced the block and the
 /// checksum of its content (covering its address).
@@ -339,6 +356,26 @@ impl BlockMeta {
         }
         b[28..32].copy_from_slice(&c.to_le_bytes());
         b
+    }
+
+    /// Encodes an entry whose data is at extent block `blk` of the layer's
+    /// extent file ([`META_EXTENT`]).
+    pub fn encode_extent(&self, blk: u32) -> [u8; META_SIZE] {
+        let mut m = *self;
+        m.flags |= META_EXTENT;
+        let mut b = m.encode();
+        b[24..28].copy_from_slice(&blk.to_le_bytes());
+        let mut c = crc32c::crc32c(&b[..28]);
+        if self.is_damaged() {
+            c ^= META_DAMAGED_SEAL;
+        }
+        b[28..32].copy_from_slice(&c.to_le_bytes());
+        b
+    }
+
+    /// The extent block of an entry decoded with [`META_EXTENT`] from `b`.
+    pub fn extent_block(b: &[u8]) -> Option<u32> {
+        Some(u32::from_le_bytes(b.get(24..28)?.try_into().ok()?))
     }
 
     /// Decodes an entry. `Ok(None)`: an all-zero (absent) entry. `Err(())`:
@@ -400,6 +437,12 @@ pub enum WalKind {
     SetZero,
     /// A block removed from a layer by rebuild.
     SetAbsent,
+    /// An ordered write whose data is in the layer's extent file at the
+    /// extent block in header bytes 52..60 ([`WalHeader::encode_extent`]);
+    /// no data follows. Only in `wal_sums` generations of stores with the
+    /// `extents` flag: the record CRC covers the header and the checksums
+    /// of the extent data, so torn extent data fails the record.
+    ExtWrite,
 }
 
 impl WalKind {
@@ -410,6 +453,7 @@ impl WalKind {
             WalKind::SetData => 3,
             WalKind::SetZero => 4,
             WalKind::SetAbsent => 5,
+            WalKind::ExtWrite => 6,
         }
     }
     fn from_u8(v: u8) -> Option<WalKind> {
@@ -419,6 +463,7 @@ impl WalKind {
             3 => WalKind::SetData,
             4 => WalKind::SetZero,
             5 => WalKind::SetAbsent,
+            6 => WalKind::ExtWrite,
             _ => return None,
         })
     }
@@ -428,7 +473,7 @@ impl WalKind {
     }
     /// Whether the record is an ordered operation that advances the position.
     pub fn ordered(self) -> bool {
-        matches!(self, WalKind::Write | WalKind::Zero)
+        matches!(self, WalKind::Write | WalKind::Zero | WalKind::ExtWrite)
     }
 }
 
@@ -518,6 +563,25 @@ impl WalHeader {
         b
     }
 
+    /// Encodes an [`WalKind::ExtWrite`] header with its extent block `blk`;
+    /// the CRC covers the header and `sums`, the block checksums.
+    pub fn encode_extent(&self, blk: u64, sums: &[u32]) -> [u8; WAL_HDR] {
+        let mut b = self.encode(&[]);
+        b[52..60].copy_from_slice(&blk.to_le_bytes());
+        let c = sums_crc(&b[..60], sums);
+        b[60..64].copy_from_slice(&c.to_le_bytes());
+        b
+    }
+
+    /// The extent block of an [`WalKind::ExtWrite`] header `hdr`.
+    pub fn extent_block(hdr: &[u8]) -> u64 {
+        let mut a = [0u8; 8];
+        if let Some(s) = hdr.get(52..60) {
+            a.copy_from_slice(s);
+        }
+        u64::from_le_bytes(a)
+    }
+
     /// Checks the record CRC over `hdr` bytes and the block checksums
     /// `sums` (recomputed from the data read).
     pub fn check_sums(hdr: &[u8], sums: &[u32]) -> bool {
@@ -582,7 +646,67 @@ mod tests {
             checksum: BlockChecksum::Xxh3,
             two_wal: false,
             wal_sums: false,
+            extents: false,
         }
+    }
+
+    #[test]
+    fn extents_flag_roundtrips_and_older_versions_refuse_it() {
+        let s = Superblock {
+            extents: true,
+            ..sb()
+        };
+        let b = s.encode().unwrap();
+        assert_eq!(Superblock::decode(&b), Ok(s.clone()));
+        let f = flags_at(&s);
+        assert_eq!(b[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_EXTENTS);
+        // The versions before the flag knew exactly these bits and refuse
+        // any other with UnknownFlags.
+        let old_known = SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL | SB_WAL_SUMS;
+        assert_ne!(b[f] & !old_known, 0);
+        let b0 = Superblock {
+            extents: false,
+            ..s
+        }
+        .encode()
+        .unwrap();
+        assert_eq!(b0[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM);
+    }
+
+    #[test]
+    fn extent_meta_and_wal_record_roundtrip() {
+        let m = BlockMeta {
+            tag: Tag::new(3, 9),
+            crc: 0x1234_5678,
+            flags: META_PRESENT,
+        };
+        let b = m.encode_extent(77);
+        let d = BlockMeta::decode(&b).unwrap().unwrap();
+        assert_eq!(d.flags, META_PRESENT | META_EXTENT);
+        assert_eq!((d.tag, d.crc), (m.tag, m.crc));
+        assert_eq!(BlockMeta::extent_block(&b), Some(77));
+        // Entries without the flag are unchanged.
+        assert_eq!(&m.encode()[24..28], &[0; 4]);
+        let mut bad = b;
+        bad[25] ^= 1;
+        assert!(BlockMeta::decode(&bad).is_err());
+        let h = WalHeader {
+            kind: WalKind::ExtWrite,
+            wal_gen: 4,
+            layer: 1,
+            tag: Tag::new(1, 2),
+            lba: 16,
+            nblocks: 16,
+        };
+        let sums: Vec<u32> = (0..16).collect();
+        let hb = h.encode_extent(12345, &sums);
+        assert_eq!(WalHeader::decode(&hb), Some(h));
+        assert_eq!(WalHeader::extent_block(&hb), 12345);
+        assert_eq!(h.data_len(), 0);
+        assert!(WalHeader::check_sums(&hb, &sums));
+        let mut other = sums.clone();
+        other[3] ^= 1;
+        assert!(!WalHeader::check_sums(&hb, &other));
     }
 
     #[test]

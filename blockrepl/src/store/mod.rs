@@ -29,7 +29,7 @@ pub mod disk;
 pub mod format;
 mod index;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -43,8 +43,8 @@ use crate::types::{
 };
 use disk::{StoreDir, StoreFile};
 use format::{
-    BlockMeta, META_DAMAGED, META_PRESENT, META_SIZE, META_ZERO, SB_SLOT, SbError, Superblock,
-    WAL_HDR, WalHeader, WalKind,
+    BlockMeta, META_DAMAGED, META_EXTENT, META_PRESENT, META_SIZE, META_ZERO, SB_SLOT, SbError,
+    Superblock, WAL_HDR, WalHeader, WalKind,
 };
 use index::{BlockIndex, DirtySet};
 
@@ -59,6 +59,19 @@ const CHECKPOINT_BYTES: u64 = 64 << 20;
 /// that would grow the WAL past it checkpoints first, so a client that never
 /// flushes cannot grow the WAL (and the in-memory dirty set) without bound.
 const WAL_LIMIT_FACTOR: u64 = 2;
+/// Ordered writes of at least this many blocks (64 KiB) are redirected:
+/// their data goes once to the head layer's extent file and the WAL gets
+/// only an [`WalKind::ExtWrite`] header (see [`Store::set_extent_threshold`]).
+pub const EXTENT_MIN_BLOCKS: u32 = 16;
+
+/// Redirected writes appended by every store of this process.
+static EXTENT_WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many writes stores of this process redirected to extent files
+/// (the simulator reports it).
+pub fn extent_writes() -> u64 {
+    EXTENT_WRITES.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 #[derive(Clone, Copy, Debug)]
 enum Loc {
@@ -69,6 +82,8 @@ enum Loc {
     Wal(u8, u64),
     /// The metadata entry itself is damaged.
     Damaged,
+    /// In the layer's extent file at this extent block.
+    Ext(u32),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -83,6 +98,54 @@ struct Layer {
     data: Arc<dyn StoreFile>,
     meta: Arc<dyn StoreFile>,
     blocks: BlockIndex<Entry>,
+    /// The extent file (`layer-N.ext`), once opened or created.
+    ext: Option<Arc<dyn StoreFile>>,
+    /// Extent blocks in use or allocated so far: new ones start here.
+    ext_end: u32,
+    /// Free extent block runs below `ext_end` (start -> length).
+    ext_free: BTreeMap<u32, u32>,
+    /// The extent file has writes no sync covered yet.
+    ext_unsynced: bool,
+}
+
+impl Layer {
+    /// Allocates `n` consecutive extent blocks: first fit in the free
+    /// runs, else at the end of the file.
+    fn ext_alloc(&mut self, n: u32) -> Option<u32> {
+        let hit = self
+            .ext_free
+            .iter()
+            .find(|&(_, &len)| len >= n)
+            .map(|(&s, &len)| (s, len));
+        if let Some((start, len)) = hit {
+            self.ext_free.remove(&start);
+            if len > n {
+                self.ext_free.insert(start + n, len - n);
+            }
+            return Some(start);
+        }
+        let start = self.ext_end;
+        self.ext_end = start.checked_add(n)?;
+        Some(start)
+    }
+
+    /// Returns extent block `b` to the free runs (merging neighbours).
+    fn ext_release(&mut self, b: u32) {
+        let mut start = b;
+        let mut len = 1u32;
+        if let Some((&s, &l)) = self.ext_free.range(..b).next_back()
+            && s + l == b
+        {
+            self.ext_free.remove(&s);
+            start = s;
+            len += l;
+        }
+        if let Some(&l) = self.ext_free.get(&(b + 1)) {
+            self.ext_free.remove(&(b + 1));
+            len += l;
+        }
+        self.ext_free.insert(start, len);
+    }
 }
 
 /// What to put into a block of a layer during rebuild or repair.
@@ -124,6 +187,17 @@ pub struct Store {
     /// Run checkpoint jobs on a thread (else inline, deferred).
     background: bool,
     checkpoint_bytes: u64,
+    /// Ordered writes of at least this many blocks go to extent files.
+    extent_min_blocks: u32,
+    /// Extent bytes written since the last seal (count towards the
+    /// checkpoint size like WAL bytes: their frees wait for a checkpoint).
+    ext_bytes: u64,
+    /// Extent blocks no longer referenced by the index: `(WAL generation
+    /// of the record that replaced them, layer id, block)`. Reusable once
+    /// the superblock's `wal_gen` is past that generation (the checkpoint
+    /// of the replacing record is durable, so neither metadata nor a
+    /// replayable record can still point at them).
+    ext_pending: Vec<(u64, u64, u32)>,
 }
 
 impl Drop for Store {
@@ -177,6 +251,8 @@ enum JobOp {
 struct CheckpointJob {
     wals: [Arc<dyn StoreFile>; 2],
     sync_wals: Vec<usize>,
+    /// Extent files, synced before metadata entries point into them.
+    exts: Vec<Arc<dyn StoreFile>>,
     /// (data, meta) of every layer, by index at build time.
     layers: Vec<(Arc<dyn StoreFile>, Arc<dyn StoreFile>)>,
     touched: BTreeSet<usize>,
@@ -186,6 +262,9 @@ struct CheckpointJob {
 impl CheckpointJob {
     fn run(&self) -> io::Result<()> {
         // Layer files are only written with data already durable in a WAL.
+        for f in &self.exts {
+            f.sync()?;
+        }
         for &f in &self.sync_wals {
             self.wals[f].sync()?;
         }
@@ -248,10 +327,20 @@ impl CopyRun {
 /// read, expected checksum)` each.
 struct ReadRun {
     li: usize,
-    /// WAL file index, or `None` for the layer's data file.
-    wal: Option<usize>,
+    src: Src,
     off: u64,
     blocks: Vec<(usize, u32)>,
+}
+
+/// The file a [`ReadRun`] reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Src {
+    /// The layer's data file.
+    Layer,
+    /// A WAL file.
+    Wal(usize),
+    /// The layer's extent file.
+    Ext,
 }
 
 /// Consecutive metadata entries of one layer.
@@ -271,6 +360,10 @@ impl MetaRun {
 
 fn layer_names(id: u64) -> (String, String) {
     (format!("layer-{id}.data"), format!("layer-{id}.meta"))
+}
+
+fn ext_name(id: u64) -> String {
+    format!("layer-{id}.ext")
 }
 
 impl Store {
@@ -318,6 +411,7 @@ impl Store {
             // New stores write records checksummed over the block
             // checksums from the start.
             wal_sums: true,
+            extents: false,
         };
         let sb_file = dir.open(SB_NAME, true).map_err(Error::store("create"))?;
         sb_file
@@ -342,6 +436,9 @@ impl Store {
             sealed: None,
             background,
             checkpoint_bytes: CHECKPOINT_BYTES,
+            extent_min_blocks: EXTENT_MIN_BLOCKS,
+            ext_bytes: 0,
+            ext_pending: Vec::new(),
         };
         s.write_sb()?;
         s.write_sb()?; // both slots valid
@@ -393,14 +490,26 @@ impl Store {
         // Remove files of layers that are not in the chain (crash during
         // snapshot create/delete/revert).
         let keep: Vec<(String, String)> = sb.layers.iter().map(|l| layer_names(l.id)).collect();
+        let keep_ext: Vec<String> = sb.layers.iter().map(|l| ext_name(l.id)).collect();
         for name in dir.list().map_err(Error::store("list"))? {
-            if name.starts_with("layer-") && !keep.iter().any(|(d, m)| *d == name || *m == name) {
+            if name.starts_with("layer-")
+                && !keep.iter().any(|(d, m)| *d == name || *m == name)
+                && !keep_ext.contains(&name)
+            {
                 dir.remove(&name).map_err(Error::store("remove"))?;
             }
         }
         let mut layers = Vec::new();
         for info in &sb.layers {
             let mut layer = Self::open_layer(&*dir, info.clone(), false)?;
+            if sb.extents {
+                let ext = dir
+                    .open(&ext_name(info.id), true)
+                    .map_err(Error::store("open layer"))?;
+                let len = ext.len().map_err(Error::store("open layer"))?;
+                layer.ext_end = u32::try_from(len.div_ceil(BLOCK_SIZE_U64)).unwrap_or(u32::MAX);
+                layer.ext = Some(Arc::from(ext));
+            }
             Self::load_meta(&mut layer, sb.size_blocks)?;
             layers.push(layer);
         }
@@ -426,6 +535,9 @@ impl Store {
             sealed: None,
             background,
             checkpoint_bytes: CHECKPOINT_BYTES,
+            extent_min_blocks: EXTENT_MIN_BLOCKS,
+            ext_bytes: 0,
+            ext_pending: Vec::new(),
         };
         // Generation wal_gen is in whichever file starts with it; if a
         // WAL was sealed (flag set), generation wal_gen + 1 continues in
@@ -441,6 +553,9 @@ impl Store {
         // must differ from every one they may still hold.
         s.wgen = wgen + 1;
         s.checkpoint()?;
+        // The index is now exactly the durable metadata and no record is
+        // replayable: every extent block it does not reference is free.
+        s.rebuild_ext_free();
         Ok(s)
     }
 
@@ -459,7 +574,124 @@ impl Store {
             data: Arc::from(data),
             meta: Arc::from(meta),
             blocks: BlockIndex::default(),
+            ext: None,
+            ext_end: 0,
+            ext_free: BTreeMap::new(),
+            ext_unsynced: false,
         })
+    }
+
+    /// Recomputes every layer's free extent runs from its index (at open,
+    /// right after a checkpoint, when the index is the durable metadata).
+    fn rebuild_ext_free(&mut self) {
+        self.ext_pending.clear();
+        for l in &mut self.layers {
+            l.ext_free.clear();
+            if l.ext.is_none() {
+                continue;
+            }
+            let mut used: Vec<u32> = l
+                .blocks
+                .keys()
+                .filter_map(|b| match l.blocks.get(b).map(|e| e.loc) {
+                    Some(Loc::Ext(x)) => Some(x),
+                    _ => None,
+                })
+                .collect();
+            used.sort_unstable();
+            used.dedup();
+            let mut next = 0u32;
+            for u in used {
+                if u >= l.ext_end {
+                    l.ext_end = u.saturating_add(1);
+                }
+                if u > next {
+                    l.ext_free.insert(next, u - next);
+                }
+                next = u.saturating_add(1);
+            }
+            if l.ext_end > next {
+                l.ext_free.insert(next, l.ext_end - next);
+            }
+        }
+    }
+
+    /// Opens (creating) layer `li`'s extent file if it is not open yet.
+    fn ensure_ext(&mut self, li: usize) -> Result<()> {
+        if self.layers[li].ext.is_some() {
+            return Ok(());
+        }
+        let f = self
+            .dir
+            .open(&ext_name(self.layers[li].info.id), true)
+            .map_err(Error::store("create extent file"))?;
+        // Its directory entry must be durable before records point into it.
+        self.dir
+            .sync_dir()
+            .map_err(Error::store("create extent file"))?;
+        let len = f.len().map_err(Error::store("create extent file"))?;
+        let l = &mut self.layers[li];
+        l.ext_end = l
+            .ext_end
+            .max(u32::try_from(len.div_ceil(BLOCK_SIZE_U64)).unwrap_or(u32::MAX));
+        l.ext = Some(Arc::from(f));
+        Ok(())
+    }
+
+    /// Syncs the extent files with unsynced writes (before a WAL sync that
+    /// makes records pointing into them durable).
+    fn sync_exts(&mut self) -> Result<()> {
+        for l in &mut self.layers {
+            if l.ext_unsynced
+                && let Some(f) = &l.ext
+            {
+                f.sync().map_err(Error::store("sync extent file"))?;
+                l.ext_unsynced = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes extent blocks freed by checkpointed records reusable.
+    fn release_ext(&mut self) {
+        let done = self.sb.wal_gen;
+        let pending = std::mem::take(&mut self.ext_pending);
+        for (g, layer, b) in pending {
+            if g >= done {
+                self.ext_pending.push((g, layer, b));
+            } else if let Some(li) = self.layer_index(layer) {
+                self.layers[li].ext_release(b);
+            }
+        }
+    }
+
+    /// Sets the smallest ordered write (in blocks) redirected to an
+    /// extent file (tests and the simulator use small values).
+    pub fn set_extent_threshold(&mut self, blocks: u32) {
+        self.extent_min_blocks = blocks.max(1);
+    }
+
+    /// Extent blocks allocated in the head layer's extent file and how
+    /// many of them are free (tests).
+    pub fn extent_usage(&self) -> (u32, u32) {
+        let l = &self.layers[self.layers.len() - 1];
+        (l.ext_end, l.ext_free.values().sum())
+    }
+
+    /// Removes the files of a dropped layer.
+    fn remove_layer_files(&mut self, l: Layer) -> Result<()> {
+        // Its pending frees must not land in a later layer with its id.
+        self.ext_pending.retain(|p| p.1 != l.info.id);
+        let (d, m) = layer_names(l.info.id);
+        let x = ext_name(l.info.id);
+        let has_ext = l.ext.is_some();
+        drop(l);
+        self.dir.remove(&d).map_err(Error::store("remove layer"))?;
+        self.dir.remove(&m).map_err(Error::store("remove layer"))?;
+        if has_ext || self.sb.extents {
+            self.dir.remove(&x).map_err(Error::store("remove layer"))?;
+        }
+        Ok(())
     }
 
     fn load_meta(layer: &mut Layer, size_blocks: u64) -> Result<()> {
@@ -487,8 +719,15 @@ impl Store {
                     Ok(Some(meta)) => {
                         // A known bad copy keeps its tag: a peer's copy of
                         // the same write can repair it.
+                        let mut meta = meta;
                         let loc = if meta.is_damaged() {
                             Loc::Damaged
+                        } else if meta.flags & META_EXTENT != 0 {
+                            meta.flags &= !META_EXTENT;
+                            match (&layer.ext, BlockMeta::extent_block(raw)) {
+                                (Some(_), Some(x)) => Loc::Ext(x),
+                                _ => Loc::Damaged,
+                            }
                         } else {
                             Loc::Layer
                         };
@@ -539,9 +778,30 @@ impl Store {
             if wal.read_at(&mut data, off + WAL_HDR as u64).is_err() {
                 break;
             }
-            // Recomputed from the data read: a torn or damaged record
-            // fails the record CRC also when it covers only these.
-            let sums = self.block_sums(&h, &data);
+            let ext_blk = WalHeader::extent_block(&hdr);
+            let sums = if h.kind == WalKind::ExtWrite {
+                // The data is in the extent file; torn or missing extent
+                // data fails the record CRC like a torn WAL record.
+                let ext = self
+                    .layer_index(h.layer)
+                    .and_then(|li| self.layers[li].ext.clone());
+                let Some(ext) = ext.filter(|_| self.sb.wal_sums && self.sb.extents) else {
+                    break;
+                };
+                let mut edata = vec![0u8; h.nblocks as usize * BLOCK_SIZE];
+                if ext.read_at(&mut edata, ext_blk * BLOCK_SIZE_U64).is_err() {
+                    break;
+                }
+                edata
+                    .chunks_exact(BLOCK_SIZE)
+                    .zip(h.lba..)
+                    .map(|(b, lba)| self.sb.checksum.block(lba, b))
+                    .collect()
+            } else {
+                // Recomputed from the data read: a torn or damaged record
+                // fails the record CRC also when it covers only these.
+                self.block_sums(&h, &data)
+            };
             let ok = if self.sb.wal_sums {
                 WalHeader::check_sums(&hdr, &sums)
             } else {
@@ -553,7 +813,7 @@ impl Store {
             if h.kind.ordered() && h.tag.index != self.position.index + 1 {
                 break;
             }
-            if self.apply_record(&h, &sums, f, off).is_err() {
+            if self.apply_record(&h, &sums, f, off, ext_blk).is_err() {
                 break;
             }
             off += (WAL_HDR + data.len()) as u64;
@@ -582,16 +842,58 @@ impl Store {
 
     /// Updates the in-memory index for a record whose data is at `off + WAL_HDR`
     /// of WAL file `f`; `sums` are its blocks' checksums.
-    fn apply_record(&mut self, h: &WalHeader, sums: &[u32], f: usize, off: u64) -> Result<()> {
+    /// `ext_blk`: the first extent block of an [`WalKind::ExtWrite`].
+    fn apply_record(
+        &mut self,
+        h: &WalHeader,
+        sums: &[u32],
+        f: usize,
+        off: u64,
+        ext_blk: u64,
+    ) -> Result<()> {
         if h.lba.saturating_add(h.nblocks as u64) > self.sb.size_blocks {
             return Err(Error::Corrupt("wal record past end of volume".into()));
         }
         let li = self
             .layer_index(h.layer)
             .ok_or_else(|| Error::Corrupt(format!("wal record for unknown layer {}", h.layer)))?;
-        let layer = &mut self.layers[li];
         let n = u64::from(h.nblocks);
+        if h.kind == WalKind::ExtWrite
+            && (sums.len() as u64 != n
+                || ext_blk.saturating_add(n) > u64::from(u32::MAX)
+                || self.layers[li].ext.is_none())
+        {
+            return Err(Error::Corrupt("bad extent wal record".into()));
+        }
+        // Extent blocks the record replaces become free once its
+        // checkpoint is durable.
+        if self.layers[li].ext.is_some() {
+            for lba in h.lba..h.lba + n {
+                if let Some(Entry {
+                    loc: Loc::Ext(x), ..
+                }) = self.layers[li].blocks.get(lba)
+                {
+                    self.ext_pending.push((h.wal_gen, h.layer, *x));
+                }
+            }
+        }
+        let layer = &mut self.layers[li];
         match h.kind {
+            WalKind::ExtWrite => {
+                let base = ext_blk as u32;
+                layer.ext_end = layer.ext_end.max(base + h.nblocks);
+                layer.blocks.insert_run(h.lba, n, |lba| {
+                    let i = (lba - h.lba) as usize;
+                    Entry {
+                        meta: BlockMeta {
+                            tag: h.tag,
+                            crc: sums[i],
+                            flags: META_PRESENT,
+                        },
+                        loc: Loc::Ext(base + i as u32),
+                    }
+                });
+            }
             WalKind::Write | WalKind::SetData => {
                 if sums.len() as u64 != n {
                     return Err(Error::Corrupt("wal record checksum count".into()));
@@ -664,11 +966,61 @@ impl Store {
             .write2_at(&hdr, data, off)
             .map_err(Error::store("append wal"))?;
         self.wal_len += (WAL_HDR + data.len()) as u64;
-        self.apply_record(&h, &sums, self.cur, off)
+        self.apply_record(&h, &sums, self.cur, off, 0)
+    }
+
+    /// Appends an ordered write redirected to the head layer's extent
+    /// file: the data once there, a header-only [`WalKind::ExtWrite`]
+    /// record in the WAL.
+    fn append_extent(&mut self, mut h: WalHeader, data: &[u8]) -> Result<()> {
+        self.reap()?;
+        let rec = WAL_HDR as u64 + self.ext_bytes + data.len() as u64;
+        if self.wal_len > 0 && self.wal_len + rec > self.wal_limit() {
+            debug!(wal_bytes = self.wal_len, "wal limit reached, sealing");
+            self.seal()?;
+        }
+        if !self.sb.extents {
+            // Older versions must refuse the store before the first
+            // extent record or entry exists.
+            self.sb.extents = true;
+            self.write_sb()?;
+        }
+        let li = self.layers.len() - 1;
+        self.ensure_ext(li)?;
+        h.kind = WalKind::ExtWrite;
+        h.wal_gen = self.wgen;
+        let sums = self.block_sums(&h, data);
+        let l = &mut self.layers[li];
+        let blk = l
+            .ext_alloc(h.nblocks)
+            .ok_or_else(|| Error::InvalidArgument("extent file full".into()))?;
+        let ext = l.ext.clone().expect("extent file opened above");
+        l.ext_unsynced = true;
+        if let Err(e) = ext.write_at(data, u64::from(blk) * BLOCK_SIZE_U64) {
+            for i in 0..h.nblocks {
+                self.layers[li].ext_release(blk + i);
+            }
+            return Err(Error::store("append extent")(e));
+        }
+        let hdr = h.encode_extent(u64::from(blk), &sums);
+        let off = self.wal_len;
+        if let Err(e) = self.wals[self.cur].write_at(&hdr, off) {
+            for i in 0..h.nblocks {
+                self.layers[li].ext_release(blk + i);
+            }
+            return Err(Error::store("append wal")(e));
+        }
+        self.wal_len += WAL_HDR as u64;
+        self.ext_bytes += data.len() as u64;
+        EXTENT_WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.apply_record(&h, &sums, self.cur, off, u64::from(blk))
     }
 
     /// Syncs the sealed WAL unless known durable.
     fn sync_sealed(&mut self) -> Result<()> {
+        if self.sealed.as_ref().is_some_and(|s| !s.synced) {
+            self.sync_exts()?;
+        }
         if let Some(s) = self.sealed.as_mut()
             && !s.synced
         {
@@ -696,6 +1048,7 @@ impl Store {
         }
         let synced = self.wal_unordered;
         if synced {
+            self.sync_exts()?;
             self.wals[self.cur]
                 .sync()
                 .map_err(Error::store("sync wal"))?;
@@ -729,6 +1082,7 @@ impl Store {
         self.cur = 1 - self.cur;
         self.wgen += 1;
         self.wal_len = 0;
+        self.ext_bytes = 0;
         self.wal_unordered = false;
         Ok(())
     }
@@ -801,6 +1155,7 @@ impl Store {
             return Err(e);
         }
         self.point_to_layers(&s.dirty, Some(s.file));
+        self.release_ext();
         self.wals[s.file]
             .set_len(0)
             .map_err(Error::store("truncate wal"))
@@ -934,6 +1289,9 @@ impl Store {
             lba,
             nblocks,
         };
+        if kind == WalKind::Write && nblocks >= self.extent_min_blocks && self.sb.wal_sums {
+            return self.append_extent(h, payload);
+        }
         self.append(h, payload)
     }
 
@@ -1041,6 +1399,10 @@ impl Store {
             Loc::Damaged => return false,
             Loc::Layer => self.layers[li].data.read_at(out, lba * BLOCK_SIZE_U64),
             Loc::Wal(f, off) => self.wals[usize::from(f)].read_at(out, off),
+            Loc::Ext(x) => match &self.layers[li].ext {
+                Some(f) => f.read_at(out, u64::from(x) * BLOCK_SIZE_U64),
+                None => return false,
+            },
         };
         res.is_ok() && self.sb.checksum.block(lba, out) == e.meta.crc
     }
@@ -1065,15 +1427,19 @@ impl Store {
                     found = true;
                     let file = match e.loc {
                         _ if e.meta.is_zero() => None,
-                        Loc::Layer => Some((li, None, b * BLOCK_SIZE_U64)),
-                        Loc::Wal(f, off) => Some((li, Some(usize::from(f)), off)),
-                        Loc::Damaged => None,
+                        Loc::Layer => Some((li, Src::Layer, b * BLOCK_SIZE_U64)),
+                        Loc::Wal(f, off) => Some((li, Src::Wal(usize::from(f)), off)),
+                        Loc::Ext(x) if self.layers[li].ext.is_some() => {
+                            Some((li, Src::Ext, u64::from(x) * BLOCK_SIZE_U64))
+                        }
+                        Loc::Ext(_) | Loc::Damaged => None,
                     };
                     match file {
-                        Some((li, wal, off)) => {
+                        Some((li, src, off)) => {
                             if let Some(r) = run.as_mut()
                                 && r.li == li
-                                && r.wal == wal
+                                && r.src == src
+                                && r.blocks.last().is_some_and(|&(j, _)| j + 1 == i)
                                 && r.off + (r.blocks.len() * BLOCK_SIZE) as u64 == off
                                 && r.blocks.len() < MAX_RUN as usize
                             {
@@ -1084,7 +1450,7 @@ impl Store {
                                 }
                                 run = Some(ReadRun {
                                     li,
-                                    wal,
+                                    src,
                                     off,
                                     blocks: vec![(i, e.meta.crc)],
                                 });
@@ -1116,9 +1482,13 @@ impl Store {
     /// in `out` (`out` starts at block `lba`) and verifies each; a failed
     /// run read falls back to block reads so only unreadable blocks are bad.
     fn read_run(&self, lba: u64, run: &ReadRun, out: &mut [u8], bad: &mut Vec<(u64, u64)>) {
-        let file: &dyn StoreFile = match run.wal {
-            Some(f) => &*self.wals[f],
-            None => &*self.layers[run.li].data,
+        let file: &dyn StoreFile = match run.src {
+            Src::Wal(f) => &*self.wals[f],
+            Src::Layer => &*self.layers[run.li].data,
+            Src::Ext => match &self.layers[run.li].ext {
+                Some(f) => &**f,
+                None => &*self.layers[run.li].data,
+            },
         };
         let layer_id = self.layers[run.li].info.id;
         let (first, _) = run.blocks[0];
@@ -1177,10 +1547,12 @@ impl Store {
         self.reap()?;
         // Sealed first: the next WAL's records only count after it.
         self.sync_sealed()?;
+        // Extent data before the records that point into it.
+        self.sync_exts()?;
         self.wals[self.cur]
             .sync()
             .map_err(Error::store("sync wal"))?;
-        if self.wal_len > self.checkpoint_bytes {
+        if self.wal_len + self.ext_bytes > self.checkpoint_bytes {
             // Waits for a job still in flight (backpressure).
             self.seal()?;
             if let Some(s) = self.sealed.as_mut() {
@@ -1250,12 +1622,14 @@ impl Store {
             return Err(e);
         }
         self.point_to_layers(&dirty, None);
+        self.release_ext();
         for w in &self.wals {
             w.set_len(0).map_err(Error::store("truncate wal"))?;
         }
         self.cur = 0;
         self.wgen = self.sb.wal_gen;
         self.wal_len = 0;
+        self.ext_bytes = 0;
         self.wal_unordered = false;
         Ok(())
     }
@@ -1316,6 +1690,10 @@ impl Store {
                     ops.push(punch);
                     [0u8; META_SIZE]
                 }
+                Some(&Entry {
+                    meta,
+                    loc: Loc::Ext(x),
+                }) => meta.encode_extent(x),
                 Some(e) => {
                     if e.meta.is_zero() {
                         ops.push(punch);
@@ -1346,6 +1724,10 @@ impl Store {
         CheckpointJob {
             wals: self.wals.clone(),
             sync_wals,
+            exts: touched
+                .iter()
+                .filter_map(|&li| self.layers[li].ext.clone())
+                .collect(),
             layers: self
                 .layers
                 .iter()
@@ -1419,10 +1801,7 @@ impl Store {
         self.sb.position = start;
         self.write_sb()?;
         for l in old {
-            let (d, m) = layer_names(l.info.id);
-            drop(l);
-            self.dir.remove(&d).map_err(Error::store("remove layer"))?;
-            self.dir.remove(&m).map_err(Error::store("remove layer"))?;
+            self.remove_layer_files(l)?;
         }
         Ok(())
     }
@@ -1601,11 +1980,7 @@ impl Store {
         self.position = tag;
         self.sb.position = tag;
         self.write_sb()?;
-        let (d, m) = layer_names(removed.info.id);
-        drop(removed);
-        self.dir.remove(&d).map_err(Error::store("remove layer"))?;
-        self.dir.remove(&m).map_err(Error::store("remove layer"))?;
-        Ok(())
+        self.remove_layer_files(removed)
     }
 
     /// Ordered: reverts to snapshot `layer`: drops every layer above it and
@@ -1635,10 +2010,7 @@ impl Store {
         self.sb.position = tag;
         self.write_sb()?;
         for l in dropped {
-            let (d, m) = layer_names(l.info.id);
-            drop(l);
-            self.dir.remove(&d).map_err(Error::store("remove layer"))?;
-            self.dir.remove(&m).map_err(Error::store("remove layer"))?;
+            self.remove_layer_files(l)?;
         }
         Ok(())
     }
@@ -1691,6 +2063,13 @@ impl Store {
                 Ok(None) => true,
                 Ok(Some(m)) if m.is_damaged() => false,
                 Ok(Some(m)) if m.is_zero() => true,
+                Ok(Some(m)) if m.flags & META_EXTENT != 0 => {
+                    let x = BlockMeta::extent_block(&raw).unwrap_or(0);
+                    l.ext.as_ref().is_some_and(|f| {
+                        f.read_at(&mut buf, u64::from(x) * BLOCK_SIZE_U64).is_ok()
+                            && self.sb.checksum.block(lba, &buf) == m.crc
+                    })
+                }
                 Ok(Some(m)) => {
                     l.data.read_at(&mut buf, lba * BLOCK_SIZE_U64).is_ok()
                         && self.sb.checksum.block(lba, &buf) == m.crc
@@ -1717,6 +2096,11 @@ impl Store {
                 .read_at(&mut buf, off)
                 .map(|_| self.sb.checksum.block(lba, &buf))
                 .ok(),
+            Loc::Ext(x) => self.layers[li].ext.as_ref().and_then(|f| {
+                f.read_at(&mut buf, u64::from(x) * BLOCK_SIZE_U64)
+                    .map(|_| self.sb.checksum.block(lba, &buf))
+                    .ok()
+            }),
             Loc::Damaged => None,
         });
         let rl = self

@@ -33,8 +33,8 @@ pub struct FrameBuf {
     /// Bytes at the start of the current allocation known to have been
     /// written (at least `vec.len()` whenever it is used).
     init: usize,
-    /// Address of the allocation `init` describes.
-    addr: usize,
+    /// Address and capacity of the allocation `init` describes.
+    alloc: (usize, usize),
 }
 
 impl FrameBuf {
@@ -44,11 +44,12 @@ impl FrameBuf {
     }
 
     /// Records the current length in the high-water mark, or restarts the
-    /// mark if the vector moved to a new allocation since it was taken.
+    /// mark if the allocation changed (moved, grew or shrank, even in
+    /// place) since it was taken.
     fn note(&mut self) {
-        let addr = self.vec.as_ptr() as usize;
-        if addr != self.addr {
-            self.addr = addr;
+        let alloc = (self.vec.as_ptr() as usize, self.vec.capacity());
+        if alloc != self.alloc {
+            self.alloc = alloc;
             self.init = self.vec.len();
         } else {
             self.init = self.init.max(self.vec.len());
@@ -72,11 +73,11 @@ impl FrameBuf {
         self.note();
         let stale = self.init.saturating_sub(len).min(n);
         // SAFETY: `len + stale <= init <= capacity`, and bytes `..init` of
-        // this allocation (its address is unchanged since `init` was
-        // recorded, `note` restarts the mark otherwise) were all written
-        // through this vector earlier; `clear`/`truncate` of a `Vec<u8>`
-        // only lower its length and never de-initialise bytes, so the
-        // bytes exposed here are initialised `u8`s.
+        // this allocation (its address and capacity are unchanged since
+        // `init` was recorded; `note` restarts the mark otherwise) were all
+        // written through this vector earlier; `clear`/`truncate` of a
+        // `Vec<u8>` only lower its length and never de-initialise bytes,
+        // so the bytes exposed here are initialised `u8`s.
         unsafe { self.vec.set_len(len + stale) };
         self.vec.resize(len + n, 0);
         self.init = self.init.max(len + n);
@@ -1041,15 +1042,20 @@ mod tests {
         assert!(d[1..51].iter().all(|&b| b == 9));
         assert!(d[51..].iter().all(|&b| b == 0));
         assert_eq!(q.len(), 61);
-        // Growing past the allocation: whether it moves (the mark restarts
-        // at the length) or grows in place, nothing past the old mark is
-        // anything but zeros.
+        // Growing past the allocation (moved or in place) restarts the
+        // mark at the length: zeros.
         let cap = q.capacity();
         q.clear();
         q.push(1);
         let d = q.extend_unspecified(cap * 4);
         assert_eq!(d.len(), cap * 4);
-        assert!(d[60..].iter().all(|&b| b == 0));
+        assert!(d.iter().all(|&b| b == 0));
+        // So does shrinking it.
+        q.extend_unspecified(100).fill(4);
+        q.clear();
+        q.shrink_to(16);
+        let d = q.extend_unspecified(16);
+        assert!(d.iter().all(|&b| b == 0));
     }
 
     fn layers() -> impl Strategy<Value = Vec<LayerInfo>> {

@@ -358,6 +358,10 @@ impl StoreDir for SimDisk {
         self.lock().boot
     }
 
+    fn random(&self) -> u64 {
+        self.lock().rng.next_u64()
+    }
+
     fn background_checkpoints(&self) -> bool {
         // Deterministic: checkpoint jobs run inline at points the store
         // and the harness choose.

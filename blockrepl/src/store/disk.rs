@@ -67,6 +67,15 @@ pub trait StoreDir: Send + fmt::Debug {
     fn boot_id(&self) -> u64 {
         process_boot_id()
     }
+    /// A value a guest cannot predict (the store starts its WAL
+    /// generations at such offsets: a record header forged inside guest
+    /// data left in a reused WAL file past its live end must not name
+    /// the generation replayed there). The default draws from the
+    /// process's random hash keys; the simulator's is seeded.
+    fn random(&self) -> u64 {
+        use std::hash::{BuildHasher, RandomState};
+        RandomState::new().hash_one(process_boot_id())
+    }
     /// Whether the store may run checkpoint jobs on a background thread
     /// (real files). `false` runs them inline at deterministic points
     /// ([`crate::store::Store::poll_checkpoint`], the next seal, or an

@@ -51,7 +51,9 @@ use index::{BlockIndex, DirtySet};
 const SB_NAME: &str = "superblock";
 /// The two WAL files: the store appends to one while the other, sealed,
 /// is checkpointed (file 1 only holds live records while the superblock
-/// has its `two_wal` flag).
+/// has its `two_wal` flag). A seal's checkpoint does not truncate the
+/// sealed file: it is overwritten from offset 0 by the generation after
+/// next, and records of older generations may follow its live end.
 const WAL_NAMES: [&str; 2] = ["wal", "wal.1"];
 /// WAL size above which a flush also checkpoints.
 const CHECKPOINT_BYTES: u64 = 64 << 20;
@@ -358,6 +360,16 @@ impl MetaRun {
     }
 }
 
+/// How far a checkpoint moves the WAL generation: at least 1, else
+/// unpredictable (up to 2^32). WAL files are reused without truncation, so
+/// past a file's live end lie records of older generations and possibly
+/// guest data at record-header offsets; a guest that could predict the
+/// generation could forge a header (with a valid CRC) there that replay
+/// would take as the current generation's next record after a crash.
+fn gen_step(dir: &dyn StoreDir) -> u64 {
+    1 + (dir.random() >> 32)
+}
+
 fn layer_names(id: u64) -> (String, String) {
     (format!("layer-{id}.data"), format!("layer-{id}.meta"))
 }
@@ -394,6 +406,7 @@ impl Store {
             name: String::new(),
             created: Tag::default(),
         };
+        let wgen = gen_step(&*dir);
         let sb = Superblock {
             generation: 0,
             size_blocks,
@@ -401,7 +414,7 @@ impl Store {
             engine: 0,
             state,
             position: Tag::default(),
-            wal_gen: 1,
+            wal_gen: wgen,
             layers: vec![head.clone()],
             boot_id: dir.boot_id(),
             open: false,
@@ -427,7 +440,7 @@ impl Store {
             sb,
             wals,
             cur: 0,
-            wgen: 1,
+            wgen,
             wal_len: 0,
             wal_unordered: false,
             layers: vec![layer],
@@ -1156,9 +1169,12 @@ impl Store {
         }
         self.point_to_layers(&s.dirty, Some(s.file));
         self.release_ext();
-        self.wals[s.file]
-            .set_len(0)
-            .map_err(Error::store("truncate wal"))
+        // The sealed file keeps its length and blocks: the generation after
+        // next overwrites it from offset 0 (pages still cached and
+        // allocated, no truncate, no zeroing of new pages). What stays past
+        // its live end is of older generations, which replay never takes
+        // for the current one (see `replay_file`).
+        Ok(())
     }
 
     fn layer_index(&self, id: u64) -> Option<usize> {
@@ -1575,7 +1591,8 @@ impl Store {
         self.checkpoint_bytes.saturating_mul(WAL_LIMIT_FACTOR)
     }
 
-    /// Current WAL length in bytes (tests).
+    /// Live length of the current WAL file in bytes (tests; the file
+    /// itself may be longer, see [`WAL_NAMES`]).
     pub fn wal_bytes(&self) -> u64 {
         self.wal_len
     }
@@ -1603,7 +1620,9 @@ impl Store {
             self.sb.wal_sums,
         );
         self.sb.position = self.position;
-        self.sb.wal_gen = self.wgen + 1;
+        // An unpredictable step (see `gen_step`); the seals until the next
+        // checkpoint add 1 each.
+        self.sb.wal_gen = self.wgen.saturating_add(gen_step(&*self.dir));
         // Both files are emptied below and the new generation is in `wal`:
         // older versions may open the store again.
         self.sb.two_wal = false;
@@ -1623,14 +1642,19 @@ impl Store {
         }
         self.point_to_layers(&dirty, None);
         self.release_ext();
-        for w in &self.wals {
-            w.set_len(0).map_err(Error::store("truncate wal"))?;
-        }
         self.cur = 0;
         self.wgen = self.sb.wal_gen;
         self.wal_len = 0;
         self.ext_bytes = 0;
         self.wal_unordered = false;
+        // Unlike a seal's checkpoint, this one (open, clean close, snapshot
+        // operations, rebuild: rare) shrinks both files to nothing, so a
+        // cleanly closed store has empty WALs. Not needed for safety: if a
+        // truncate fails or is lost at a power loss, the files hold older
+        // generations only, as after a seal's checkpoint.
+        for w in &self.wals {
+            w.set_len(0).map_err(Error::store("truncate wal"))?;
+        }
         Ok(())
     }
 

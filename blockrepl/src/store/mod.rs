@@ -892,24 +892,15 @@ impl Store {
         }
         let layer = &mut self.layers[li];
         match h.kind {
-            WalKind::ExtWrite => {
-                let base = ext_blk as u32;
-                layer.ext_end = layer.ext_end.max(base + h.nblocks);
-                layer.blocks.insert_run(h.lba, n, |lba| {
-                    let i = (lba - h.lba) as usize;
-                    Entry {
-                        meta: BlockMeta {
-                            tag: h.tag,
-                            crc: sums[i],
-                            flags: META_PRESENT,
-                        },
-                        loc: Loc::Ext(base + i as u32),
-                    }
-                });
-            }
-            WalKind::Write | WalKind::SetData => {
+            WalKind::ExtWrite | WalKind::Write | WalKind::SetData => {
                 if sums.len() as u64 != n {
                     return Err(Error::Corrupt("wal record checksum count".into()));
+                }
+                // Block i's data: extent block `ext_blk + i` of the layer,
+                // or in this WAL right after the header.
+                let ext = (h.kind == WalKind::ExtWrite).then_some(ext_blk as u32);
+                if let Some(base) = ext {
+                    layer.ext_end = layer.ext_end.max(base + h.nblocks);
                 }
                 let base = off + WAL_HDR as u64;
                 layer.blocks.insert_run(h.lba, n, |lba| {
@@ -920,7 +911,10 @@ impl Store {
                             crc: sums[i],
                             flags: META_PRESENT,
                         },
-                        loc: Loc::Wal(f as u8, base + i as u64 * BLOCK_SIZE_U64),
+                        loc: match ext {
+                            Some(x) => Loc::Ext(x + i as u32),
+                            None => Loc::Wal(f as u8, base + i as u64 * BLOCK_SIZE_U64),
+                        },
                     }
                 });
             }

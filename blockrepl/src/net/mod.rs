@@ -718,6 +718,16 @@ mod tests {
         assert!(e.to_string().contains("plain"), "{e}");
     }
 
+    /// A writer into memory with a fresh session key.
+    fn writer(key: FrameKey) -> FrameWriter<Vec<u8>> {
+        FrameWriter {
+            w: Vec::new(),
+            key,
+            seq: 0,
+            buf: FrameBuf::new(),
+        }
+    }
+
     /// A reader that returns at most `.1` bytes per read.
     struct Trickle<'a>(&'a [u8], usize);
 
@@ -744,12 +754,7 @@ mod tests {
     #[tokio::test]
     async fn large_frames_and_buffered_batches() {
         for key in keys() {
-            let mut w = FrameWriter {
-                w: Vec::new(),
-                key: key(),
-                seq: 0,
-                buf: FrameBuf::new(),
-            };
+            let mut w = writer(key());
             let big: Vec<u8> = (0..(1usize << 20)).map(|i| (i % 251) as u8).collect();
             w.send(b"small").await.unwrap();
             w.send(&big).await.unwrap();
@@ -795,12 +800,7 @@ mod tests {
                 assert!(matches!(res, Err(Error::Net { .. })), "cut {cut}: {res:?}");
             }
             // Two small frames arrive in one buffer fill: the second is buffered.
-            let mut w2 = FrameWriter {
-                w: Vec::new(),
-                key: key(),
-                seq: 0,
-                buf: FrameBuf::new(),
-            };
+            let mut w2 = writer(key());
             w2.send(b"one").await.unwrap();
             w2.send(b"two").await.unwrap();
             w2.flush().await.unwrap();
@@ -833,12 +833,7 @@ mod tests {
     #[tokio::test]
     async fn replayed_or_forged_frame_is_refused() {
         for key in keys() {
-            let mut w = FrameWriter {
-                w: Vec::new(),
-                key: key(),
-                seq: 0,
-                buf: FrameBuf::new(),
-            };
+            let mut w = writer(key());
             w.send(b"one").await.unwrap();
             w.flush().await.unwrap();
             let first = w.w.clone();
@@ -866,22 +861,12 @@ mod tests {
 
     #[tokio::test]
     async fn checksummed_frames_carry_the_payload_in_the_clear() {
-        let mut w = FrameWriter {
-            w: Vec::new(),
-            key: FrameKey::new(&[9u8; 32], true),
-            seq: 0,
-            buf: FrameBuf::new(),
-        };
+        let mut w = writer(FrameKey::new(&[9u8; 32], true));
         w.send(b"plain payload").await.unwrap();
         w.flush().await.unwrap();
         assert_eq!(&w.w[4..17], b"plain payload");
         assert_eq!(w.w.len(), 4 + 13 + SUM_TAG);
-        let mut e = FrameWriter {
-            w: Vec::new(),
-            key: FrameKey::new(&[9u8; 32], false),
-            seq: 0,
-            buf: FrameBuf::new(),
-        };
+        let mut e = writer(FrameKey::new(&[9u8; 32], false));
         e.send(b"plain payload").await.unwrap();
         e.flush().await.unwrap();
         assert_ne!(&e.w[4..17], b"plain payload");

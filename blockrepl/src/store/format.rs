@@ -650,20 +650,28 @@ mod tests {
         }
     }
 
+    /// Checks a superblock with one newer feature flag set: it round-trips,
+    /// its flags byte is the usual bits plus `bit`, and versions that knew
+    /// only `old_known` refuse it. Returns the flags byte's offset.
+    fn check_new_flag(s: &Superblock, bit: u8, old_known: u8) -> usize {
+        let b = s.encode().unwrap();
+        assert_eq!(Superblock::decode(&b), Ok(s.clone()));
+        let f = flags_at(s);
+        assert_eq!(b[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM | bit);
+        // The versions before the flag knew exactly these bits and refuse
+        // any other with UnknownFlags.
+        assert_ne!(b[f] & !old_known, 0);
+        f
+    }
+
     #[test]
     fn extents_flag_roundtrips_and_older_versions_refuse_it() {
         let s = Superblock {
             extents: true,
             ..sb()
         };
-        let b = s.encode().unwrap();
-        assert_eq!(Superblock::decode(&b), Ok(s.clone()));
-        let f = flags_at(&s);
-        assert_eq!(b[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_EXTENTS);
-        // The versions before the flag knew exactly these bits and refuse
-        // any other with UnknownFlags.
         let old_known = SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL | SB_WAL_SUMS;
-        assert_ne!(b[f] & !old_known, 0);
+        let f = check_new_flag(&s, SB_EXTENTS, old_known);
         let b0 = Superblock {
             extents: false,
             ..s
@@ -715,14 +723,9 @@ mod tests {
             wal_sums: true,
             ..sb()
         };
-        let b = s.encode().unwrap();
-        assert_eq!(Superblock::decode(&b), Ok(s.clone()));
-        let f = flags_at(&s);
-        assert_eq!(b[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_WAL_SUMS);
-        // The versions before the flag knew exactly these bits and refuse
-        // any other with UnknownFlags (or, before that, as invalid).
+        // (Versions before `two_wal` refused it as invalid.)
         let old_known = SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL;
-        assert_ne!(b[f] & !old_known, 0);
+        let f = check_new_flag(&s, SB_WAL_SUMS, old_known);
         // Without it, the encoding is unchanged (also for SHA-256 stores).
         let b0 = Superblock {
             wal_sums: false,
@@ -740,14 +743,7 @@ mod tests {
             two_wal: true,
             ..sb()
         };
-        let b = s.encode().unwrap();
-        assert_eq!(Superblock::decode(&b), Ok(s.clone()));
-        let f = flags_at(&s);
-        assert_eq!(b[f], SB_OPEN | SB_RECOVERED | SB_CHECKSUM | SB_TWO_WAL);
-        // The versions before the flag knew exactly these bits and refuse
-        // any other with UnknownFlags.
-        let old_known = SB_OPEN | SB_RECOVERED | SB_CHECKSUM;
-        assert_ne!(b[f] & !old_known, 0);
+        let f = check_new_flag(&s, SB_TWO_WAL, SB_OPEN | SB_RECOVERED | SB_CHECKSUM);
         // Without it, the encoding is unchanged.
         let b0 = Superblock {
             two_wal: false,

@@ -108,6 +108,24 @@ fn power_loss_keeps_a_prefix(
     }
 }
 
+/// Writes `n` one-block writes (write `i`: value `i % 250 + 1` at a random
+/// block below 8), recording them in `history` and flushing after each with
+/// probability 0.3. Returns the index of the last flushed write (0: none).
+fn write_flushing(s: &mut Store, rng: &mut Prng, n: u64, history: &mut Vec<(u64, u8)>) -> u64 {
+    let mut flushed = 0;
+    for i in 1..=n {
+        let lba = rng.below(8);
+        let v = (i % 250) as u8 + 1;
+        s.write(Tag::new(1, i), lba, 1, Some(&blk(v))).unwrap();
+        history.push((lba, v));
+        if rng.chance(0.3) {
+            s.flush().unwrap();
+            flushed = i;
+        }
+    }
+    flushed
+}
+
 #[test]
 fn power_loss_keeps_flushed_prefix_and_never_tears_a_block() {
     for seed in 0..300u64 {
@@ -115,19 +133,9 @@ fn power_loss_keeps_flushed_prefix_and_never_tears_a_block() {
         let mut rng = Prng::new(seed);
         let mut s = new_store(&d, 8);
         s.set_checkpoint_bytes(3 * (BLOCK_SIZE as u64 + 64));
-        let mut flushed = 0u64;
         let mut history: Vec<(u64, u8)> = vec![]; // (lba, value) per index
         let n = rng.range(1, 20);
-        for i in 1..=n {
-            let lba = rng.below(8);
-            let v = (i % 250) as u8 + 1;
-            s.write(Tag::new(1, i), lba, 1, Some(&blk(v))).unwrap();
-            history.push((lba, v));
-            if rng.chance(0.3) {
-                s.flush().unwrap();
-                flushed = i;
-            }
-        }
+        let flushed = write_flushing(&mut s, &mut rng, n, &mut history);
         drop(s);
         power_loss_keeps_a_prefix(&d, &mut rng, &history, flushed, n, &format!("seed {seed}"));
     }
@@ -1090,19 +1098,9 @@ fn power_loss_keeps_flushed_prefix_in_the_old_wal_record_format() {
         let mut s = new_store(&d, 8);
         s.close().unwrap();
         s.set_checkpoint_bytes(3 * (BLOCK_SIZE as u64 + 64));
-        let mut flushed = 0u64;
         let mut history: Vec<(u64, u8)> = vec![];
         let n = rng.range(1, 20);
-        for i in 1..=n {
-            let lba = rng.below(8);
-            let v = (i % 250) as u8 + 1;
-            s.write(Tag::new(1, i), lba, 1, Some(&blk(v))).unwrap();
-            history.push((lba, v));
-            if rng.chance(0.3) {
-                s.flush().unwrap();
-                flushed = i;
-            }
-        }
+        let flushed = write_flushing(&mut s, &mut rng, n, &mut history);
         assert!(!s.sb.wal_sums, "seed {seed}");
         drop(s);
         power_loss_keeps_a_prefix(&d, &mut rng, &history, flushed, n, &format!("seed {seed}"));

@@ -23,6 +23,7 @@ pub mod error;
 pub mod frontend;
 pub mod net;
 pub mod proto;
+mod recvbuf;
 pub mod sim;
 pub mod store;
 pub mod types;

@@ -36,7 +36,7 @@
 
 pub mod server;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use std::io;
 
 use hmac::{Hmac, Mac};
@@ -45,6 +45,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Error, Result};
 use crate::proto::msg::{FrameBuf, MAX_FRAME};
+use crate::recvbuf::RecvBuf;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -327,11 +328,10 @@ pub struct FrameWriter<W> {
 /// Receiving half of an authenticated session.
 #[derive(Debug)]
 pub struct FrameReader<R> {
-    r: R,
+    /// The stream and the received bytes not yet returned as frames.
+    rb: RecvBuf<R>,
     key: FrameKey,
     seq: u64,
-    /// Received bytes not yet returned as frames.
-    buf: BytesMut,
 }
 
 impl<W> FrameWriter<W> {
@@ -410,17 +410,16 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
 impl<R> FrameReader<R> {
     fn new(r: R, key: FrameKey) -> FrameReader<R> {
         FrameReader {
-            r,
+            rb: RecvBuf::new(r, RECV_CHUNK),
             key,
             seq: 0,
-            buf: BytesMut::new(),
         }
     }
 
     /// Whether a whole frame is already buffered (so `recv` will not wait
     /// for the peer): callers flush their answers when it is not.
     pub fn frame_buffered(&self) -> bool {
-        let b = &self.buf[..];
+        let b = self.rb.buffered();
         b.len() >= 4 && {
             let len = u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize;
             b.len() >= 4 + len
@@ -438,51 +437,34 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// place (no copy of its first part out of a read buffer); small
     /// frames arriving together are read with one call and split off it.
     pub async fn recv(&mut self) -> Result<Option<Bytes>> {
-        while self.buf.len() < 4 {
-            if self.buf.capacity() - self.buf.len() < 4 {
-                self.buf.reserve(RECV_CHUNK);
+        let eof = || Error::Net {
+            op: "receive frame",
+            source: io::ErrorKind::UnexpectedEof.into(),
+        };
+        if !self.rb.fill(4, false).await.map_err(net("receive frame"))? {
+            if self.rb.buffered().is_empty() {
+                return Ok(None);
             }
-            let n = self
-                .r
-                .read_buf(&mut self.buf)
-                .await
-                .map_err(net("receive frame"))?;
-            if n == 0 {
-                if self.buf.is_empty() {
-                    return Ok(None);
-                }
-                return Err(Error::Net {
-                    op: "receive frame",
-                    source: io::ErrorKind::UnexpectedEof.into(),
-                });
-            }
+            return Err(eof());
         }
-        let len = u32::from_be_bytes([self.buf[0], self.buf[1], self.buf[2], self.buf[3]]) as usize;
+        let b = self.rb.buffered();
+        let len = u32::from_be_bytes([b[0], b[1], b[2], b[3]]) as usize;
         let tag = self.key.tag_len();
         if !(tag..=MAX_FRAME + tag).contains(&len) {
             return Err(Error::Auth(format!("frame length {len} out of range")));
         }
         let total = 4 + len;
-        if self.buf.len() < total {
-            self.buf.reserve(total - self.buf.len());
-            // Only this frame's bytes: what follows is read with the next
-            // frame's header, into a buffer of its own size.
-            while self.buf.len() < total {
-                let want = (total - self.buf.len()) as u64;
-                let n = (&mut self.r)
-                    .take(want)
-                    .read_buf(&mut self.buf)
-                    .await
-                    .map_err(net("receive frame"))?;
-                if n == 0 {
-                    return Err(Error::Net {
-                        op: "receive frame",
-                        source: io::ErrorKind::UnexpectedEof.into(),
-                    });
-                }
-            }
+        // Only this frame's bytes: what follows is read with the next
+        // frame's header, into a buffer of its own size.
+        if !self
+            .rb
+            .fill(total, true)
+            .await
+            .map_err(net("receive frame"))?
+        {
+            return Err(eof());
         }
-        let mut frame = self.buf.split_to(total);
+        let mut frame = self.rb.split_to(total);
         let _ = frame.split_to(4);
         let n = self.key.open(self.seq, &mut frame)?;
         self.seq += 1;
@@ -611,6 +593,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::recvbuf::Trickle;
 
     /// Runs a handshake between a client and a server policy over an
     /// in-memory pipe and echoes one frame; returns whether the client's
@@ -728,22 +711,6 @@ mod tests {
         }
     }
 
-    /// A reader that returns at most `.1` bytes per read.
-    struct Trickle<'a>(&'a [u8], usize);
-
-    impl tokio::io::AsyncRead for Trickle<'_> {
-        fn poll_read(
-            mut self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-            buf: &mut tokio::io::ReadBuf<'_>,
-        ) -> std::task::Poll<io::Result<()>> {
-            let n = self.0.len().min(self.1).min(buf.remaining());
-            buf.put_slice(&self.0[..n]);
-            self.0 = &self.0[n..];
-            std::task::Poll::Ready(Ok(()))
-        }
-    }
-
     fn keys() -> [fn() -> FrameKey; 2] {
         [
             || FrameKey::new(&[3u8; 32], false),
@@ -783,7 +750,7 @@ mod tests {
             // Whole reads, and reads of a few bytes at a time (every
             // split of headers and bodies).
             for step in [usize::MAX, 7, 1 << 16] {
-                let mut r = FrameReader::new(Trickle(&w.w[..], step), key());
+                let mut r = FrameReader::new(Trickle::new(&w.w[..], step), key());
                 assert!(!r.frame_buffered(), "nothing read yet");
                 assert_eq!(r.recv().await.unwrap().unwrap(), &b"small"[..]);
                 assert_eq!(r.recv().await.unwrap().unwrap(), big);
@@ -792,7 +759,7 @@ mod tests {
             }
             // A stream cut inside a frame is an error, not a clean end.
             for cut in [2, 9, w.w.len() - 1] {
-                let mut r = FrameReader::new(Trickle(&w.w[..cut], 5), key());
+                let mut r = FrameReader::new(Trickle::new(&w.w[..cut], 5), key());
                 let mut res = r.recv().await;
                 while let Ok(Some(_)) = res {
                     res = r.recv().await;

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{Semaphore, mpsc};
@@ -33,6 +33,7 @@ use super::proto::{
 };
 use crate::error::Error;
 use crate::frontend::disk::Disk;
+use crate::recvbuf::RecvBuf;
 
 /// A byte stream a connection runs over (plain socket or TLS).
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
@@ -497,77 +498,39 @@ const RECV_CHUNK: usize = REQUEST_HEADER_LEN + (1 << 20);
 
 /// The request stream of a connection, read through its own buffer.
 struct Requests<R> {
-    r: R,
-    buf: BytesMut,
+    rb: RecvBuf<R>,
 }
 
 impl<R: AsyncRead + Unpin> Requests<R> {
     fn new(r: R) -> Requests<R> {
         Requests {
-            r,
-            buf: BytesMut::new(),
+            rb: RecvBuf::new(r, RECV_CHUNK),
         }
-    }
-
-    /// Reads until at least `n` bytes are buffered. With `exact`, reads
-    /// no further than that (a payload's bytes, not the requests after
-    /// it); otherwise as much as has arrived. `false` if the stream ends
-    /// first.
-    async fn fill(&mut self, n: usize, exact: bool) -> std::io::Result<bool> {
-        if self.buf.len() >= n {
-            return Ok(true);
-        }
-        let room = if exact { n } else { n.max(RECV_CHUNK) };
-        if self.buf.capacity() < n {
-            self.buf.reserve(room - self.buf.len());
-        }
-        while self.buf.len() < n {
-            let got = if exact {
-                let want = (n - self.buf.len()) as u64;
-                (&mut self.r).take(want).read_buf(&mut self.buf).await?
-            } else {
-                self.r.read_buf(&mut self.buf).await?
-            };
-            if got == 0 {
-                return Ok(false);
-            }
-        }
-        Ok(true)
     }
 
     /// Reads one request header into `out`; `false` at the end of the
     /// stream (a header cut short counts as the end).
     async fn header(&mut self, out: &mut [u8]) -> std::io::Result<bool> {
-        if !self.fill(out.len(), false).await? {
+        if !self.rb.fill(out.len(), false).await? {
             return Ok(false);
         }
-        out.copy_from_slice(&self.buf.split_to(out.len()));
+        out.copy_from_slice(&self.rb.split_to(out.len()));
         Ok(true)
     }
 
     /// The next `len` bytes (a write's payload), read once, straight into
     /// the buffer they are returned in; `None` if the stream ends first.
     async fn payload(&mut self, len: usize) -> std::io::Result<Option<Bytes>> {
-        if !self.fill(len, true).await? {
+        if !self.rb.fill(len, true).await? {
             return Ok(None);
         }
-        Ok(Some(self.buf.split_to(len).freeze()))
+        Ok(Some(self.rb.split_to(len).freeze()))
     }
 
     /// Discards the next `len` bytes (the payload of a refused request);
     /// `false` if the stream ends first.
-    async fn skip(&mut self, mut len: usize) -> std::io::Result<bool> {
-        loop {
-            let n = len.min(self.buf.len());
-            let _ = self.buf.split_to(n);
-            len -= n;
-            if len == 0 {
-                return Ok(true);
-            }
-            if !self.fill(len.min(RECV_CHUNK), true).await? {
-                return Ok(false);
-            }
-        }
+    async fn skip(&mut self, len: usize) -> std::io::Result<bool> {
+        self.rb.skip(len).await
     }
 }
 
@@ -711,23 +674,7 @@ async fn write_replies(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A reader that returns at most `.1` bytes per read (from `.2` on).
-    struct Trickle(Vec<u8>, usize, usize);
-
-    impl AsyncRead for Trickle {
-        fn poll_read(
-            mut self: Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-            buf: &mut tokio::io::ReadBuf<'_>,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            let at = self.2;
-            let n = (self.0.len() - at).min(self.1).min(buf.remaining());
-            buf.put_slice(&self.0[at..at + n]);
-            self.2 += n;
-            std::task::Poll::Ready(Ok(()))
-        }
-    }
+    use crate::recvbuf::Trickle;
 
     #[tokio::test]
     async fn request_stream_splits_headers_payloads_and_skips() {
@@ -742,7 +689,7 @@ mod tests {
         stream.extend_from_slice(&[3u8; REQUEST_HEADER_LEN]);
         stream.extend_from_slice(b"tail");
         for step in [usize::MAX, 5, 4096, 1 << 16] {
-            let mut rd = Requests::new(Trickle(stream.clone(), step, 0));
+            let mut rd = Requests::new(Trickle::new(stream.clone(), step));
             let mut hdr = [0u8; REQUEST_HEADER_LEN];
             assert!(rd.header(&mut hdr).await.unwrap());
             assert_eq!(hdr, [1u8; REQUEST_HEADER_LEN]);

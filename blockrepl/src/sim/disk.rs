@@ -8,6 +8,15 @@
 //! sector is rewritten), a full disk (writes fail), and slowness (the
 //! harness reads [`SimDisk::latency_factor`]). Creating and removing files
 //! is durable at once (a documented simplification).
+//!
+//! Hole punches and truncates are unsynced operations like writes: at a
+//! power loss each is kept, dropped or (punches) torn, any subset of its
+//! sectors reading as zeros, in order with the writes around it (a file
+//! system journals them in order). A punch is never misdirected (it is a
+//! file system metadata update, not a data write the device could place
+//! wrongly), clears latent sector errors in its range (the blocks are
+//! deallocated), never extends the file, and still fails on a full disk
+//! (ext4 may need a block to split an extent).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
@@ -20,8 +29,16 @@ const SECTOR: u64 = 512;
 
 #[derive(Debug, Clone)]
 enum Pending {
-    Write { off: u64, data: Vec<u8> },
+    Write {
+        off: u64,
+        data: Vec<u8>,
+    },
     SetLen(u64),
+    /// Zeros `[off, off + len)`, clipped to the file's length.
+    Punch {
+        off: u64,
+        len: u64,
+    },
 }
 
 #[derive(Debug, Default, Clone)]
@@ -41,6 +58,11 @@ fn apply(buf: &mut Vec<u8>, p: &Pending) {
             buf[off..off + data.len()].copy_from_slice(data);
         }
         Pending::SetLen(l) => buf.resize(*l as usize, 0),
+        Pending::Punch { off, len } => {
+            let end = off.saturating_add(*len).min(buf.len() as u64) as usize;
+            let off = (*off as usize).min(end);
+            buf[off..end].fill(0);
+        }
     }
 }
 
@@ -125,25 +147,38 @@ impl SimDisk {
                     0 => apply(&mut img, &p),
                     1 => {}
                     _ => {
-                        if let Pending::Write { off, data } = &p {
-                            // Torn: a random subset of sectors made it.
-                            let mut s = 0u64;
-                            while s * SECTOR < data.len() as u64 {
-                                let lo = (s * SECTOR) as usize;
-                                let hi = (lo + SECTOR as usize).min(data.len());
-                                if rng.chance(0.5) {
-                                    apply(
-                                        &mut img,
-                                        &Pending::Write {
-                                            off: off + lo as u64,
-                                            data: data[lo..hi].to_vec(),
-                                        },
-                                    );
+                        match &p {
+                            Pending::Write { off, data } => {
+                                // Torn: a random subset of sectors made it.
+                                let mut s = 0u64;
+                                while s * SECTOR < data.len() as u64 {
+                                    let lo = (s * SECTOR) as usize;
+                                    let hi = (lo + SECTOR as usize).min(data.len());
+                                    if rng.chance(0.5) {
+                                        apply(
+                                            &mut img,
+                                            &Pending::Write {
+                                                off: off + lo as u64,
+                                                data: data[lo..hi].to_vec(),
+                                            },
+                                        );
+                                    }
+                                    s += 1;
                                 }
-                                s += 1;
                             }
-                        } else {
-                            apply(&mut img, &p);
+                            Pending::Punch { off, len } => {
+                                // Torn: a random subset of sectors was
+                                // deallocated.
+                                let mut at = *off;
+                                while at < off + len {
+                                    let n = SECTOR.min(off + len - at);
+                                    if rng.chance(0.5) {
+                                        apply(&mut img, &Pending::Punch { off: at, len: n });
+                                    }
+                                    at += n;
+                                }
+                            }
+                            Pending::SetLen(_) => apply(&mut img, &p),
                         }
                     }
                 }
@@ -201,6 +236,12 @@ impl SimDisk {
     /// Logical content of a file (for tests).
     pub fn file(&self, name: &str) -> Option<Vec<u8>> {
         self.lock().files.get(name).map(|f| f.current.clone())
+    }
+
+    /// Durable content of a file: what a power loss that drops every
+    /// unsynced write would leave (for tests).
+    pub fn durable_file(&self, name: &str) -> Option<Vec<u8>> {
+        self.lock().files.get(name).map(|f| f.durable.clone())
     }
 }
 
@@ -298,6 +339,42 @@ impl StoreFile for SimFile {
             .files
             .get(&self.name)
             .map_or(0, |f| f.current.len() as u64))
+    }
+
+    fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
+        let mut st = self.disk.lock();
+        if st.faults.full {
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                "no space left (simulated)",
+            ));
+        }
+        let name = self.name.clone();
+        let f = st
+            .files
+            .get_mut(&name)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "file removed"))?;
+        // Past the end: nothing to deallocate, and the length stays.
+        let end = off.saturating_add(len).min(f.current.len() as u64);
+        if off >= end {
+            return Ok(());
+        }
+        let p = Pending::Punch {
+            off,
+            len: end - off,
+        };
+        apply(&mut f.current, &p);
+        f.pending.push(p);
+        let (first, last) = (off / SECTOR, end.div_ceil(SECTOR));
+        let gone: Vec<(String, u64)> = st
+            .latent
+            .range((name.clone(), first)..(name, last))
+            .cloned()
+            .collect();
+        for g in gone {
+            st.latent.remove(&g);
+        }
+        Ok(())
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {

@@ -66,6 +66,10 @@ const WAL_LIMIT_FACTOR: u64 = 2;
 /// only an [`WalKind::ExtWrite`] header (see [`Store::set_extent_threshold`]).
 pub const EXTENT_MIN_BLOCKS: u32 = 16;
 
+/// Free extent blocks (32 MiB) the head layer keeps allocated for the next
+/// large writes instead of punching them (see [`Store::set_extent_pool`]).
+pub const EXT_POOL_BLOCKS: u32 = 8192;
+
 /// Redirected writes appended by every store of this process.
 static EXTENT_WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -104,27 +108,63 @@ struct Layer {
     ext: Option<Arc<dyn StoreFile>>,
     /// Extent blocks in use or allocated so far: new ones start here.
     ext_end: u32,
-    /// Free extent block runs below `ext_end` (start -> length).
+    /// Free extent block runs below `ext_end` (start -> length) that are
+    /// still allocated in the file (the reuse pool, see
+    /// [`Store::set_extent_pool`]). Reusable at once.
     ext_free: BTreeMap<u32, u32>,
+    /// Free extent block runs whose blocks were punched (holes).
+    ext_holes: BTreeMap<u32, u32>,
+    /// Free runs taken out of the allocator for a punch that a checkpoint
+    /// job has not finished: never handed out before it has (a job re-run
+    /// after an error punches them again).
+    ext_punching: Vec<(u32, u32)>,
     /// The extent file has writes no sync covered yet.
     ext_unsynced: bool,
 }
 
+/// Adds run `[start, start + len)` to `runs` (start -> length), merging it
+/// with its neighbours.
+fn run_insert(runs: &mut BTreeMap<u32, u32>, start: u32, len: u32) {
+    if len == 0 {
+        return;
+    }
+    let (mut start, mut len) = (start, len);
+    if let Some((&s, &l)) = runs.range(..start).next_back()
+        && s + l == start
+    {
+        runs.remove(&s);
+        start = s;
+        len += l;
+    }
+    if let Some(l) = runs.remove(&(start + len)) {
+        len += l;
+    }
+    runs.insert(start, len);
+}
+
+/// Takes `n` blocks from the first run of `runs` that holds them.
+fn run_take_first_fit(runs: &mut BTreeMap<u32, u32>, n: u32) -> Option<u32> {
+    let (start, len) = runs
+        .iter()
+        .find(|&(_, &len)| len >= n)
+        .map(|(&s, &len)| (s, len))?;
+    runs.remove(&start);
+    if len > n {
+        runs.insert(start + n, len - n);
+    }
+    Some(start)
+}
+
 impl Layer {
-    /// Allocates `n` consecutive extent blocks: first fit in the free
-    /// runs, else at the end of the file.
+    /// Allocates `n` consecutive extent blocks: first fit in the free runs
+    /// still allocated in the file, else in the punched ones, else at the
+    /// end of the file.
     fn ext_alloc(&mut self, n: u32) -> Option<u32> {
-        let hit = self
-            .ext_free
-            .iter()
-            .find(|&(_, &len)| len >= n)
-            .map(|(&s, &len)| (s, len));
-        if let Some((start, len)) = hit {
-            self.ext_free.remove(&start);
-            if len > n {
-                self.ext_free.insert(start + n, len - n);
-            }
-            return Some(start);
+        if let Some(b) = run_take_first_fit(&mut self.ext_free, n) {
+            return Some(b);
+        }
+        if let Some(b) = run_take_first_fit(&mut self.ext_holes, n) {
+            return Some(b);
         }
         let start = self.ext_end;
         self.ext_end = start.checked_add(n)?;
@@ -133,20 +173,69 @@ impl Layer {
 
     /// Returns extent block `b` to the free runs (merging neighbours).
     fn ext_release(&mut self, b: u32) {
-        let mut start = b;
-        let mut len = 1u32;
-        if let Some((&s, &l)) = self.ext_free.range(..b).next_back()
-            && s + l == b
-        {
+        run_insert(&mut self.ext_free, b, 1);
+    }
+
+    /// Free extent blocks still allocated in the file.
+    fn ext_pool(&self) -> u32 {
+        self.ext_free.values().sum()
+    }
+
+    /// Takes the free runs beyond the first `keep` free blocks out of the
+    /// allocator for a punch (the highest ones, so the allocator's first
+    /// fit keeps using the lowest and the file's tail can be cut). Returns
+    /// them as `(first block, blocks)`.
+    fn ext_take_for_punch(&mut self, keep: u32) -> Vec<(u32, u32)> {
+        let mut total = self.ext_pool();
+        let mut out = Vec::new();
+        while total > keep {
+            let Some((&s, &l)) = self.ext_free.iter().next_back() else {
+                break;
+            };
+            let cut = l.min(total - keep);
             self.ext_free.remove(&s);
-            start = s;
-            len += l;
+            if cut < l {
+                self.ext_free.insert(s, l - cut);
+            }
+            out.push((s + l - cut, cut));
+            self.ext_punching.push((s + l - cut, cut));
+            total -= cut;
         }
-        if let Some(&l) = self.ext_free.get(&(b + 1)) {
-            self.ext_free.remove(&(b + 1));
-            len += l;
+        out
+    }
+
+    /// A punch of the runs taken by [`Layer::ext_take_for_punch`] is over
+    /// (done, or abandoned with `punched` false): they are allocatable again.
+    fn ext_punch_done(&mut self, punched: bool) {
+        for (s, l) in std::mem::take(&mut self.ext_punching) {
+            if punched {
+                run_insert(&mut self.ext_holes, s, l);
+            } else {
+                run_insert(&mut self.ext_free, s, l);
+            }
         }
-        self.ext_free.insert(start, len);
+    }
+
+    /// Cuts free (punched) runs at the end of the extent file off its
+    /// length (store thread only, with no checkpoint job in flight: an
+    /// allocation at the end must not race the truncate).
+    fn ext_trim_tail(&mut self) -> io::Result<()> {
+        let Some(f) = self.ext.clone() else {
+            return Ok(());
+        };
+        let mut end = self.ext_end;
+        while let Some((&s, &l)) = self.ext_holes.iter().next_back()
+            && s + l == end
+        {
+            self.ext_holes.remove(&s);
+            end = s;
+        }
+        self.ext_end = end;
+        let len = u64::from(end) * BLOCK_SIZE_U64;
+        if f.len()? > len {
+            f.set_len(len)?;
+        }
+        Ok(())
     }
 }
 
@@ -200,6 +289,10 @@ pub struct Store {
     /// of the replacing record is durable, so neither metadata nor a
     /// replayable record can still point at them).
     ext_pending: Vec<(u64, u64, u32)>,
+    /// Free extent blocks the head layer keeps allocated for reuse; free
+    /// blocks beyond them (and every free block of other layers) are
+    /// punched (see [`Store::set_extent_pool`]).
+    ext_pool_blocks: u32,
 }
 
 impl Drop for Store {
@@ -241,8 +334,15 @@ enum JobOp {
         dst_off: u64,
         len: usize,
     },
-    /// Punch a hole in layer `li`'s data.
+    /// Punch a hole in layer `li`'s data (after the metadata sync).
     Punch { li: usize, off: u64, len: u64 },
+    /// Punch a hole in an extent file (free blocks the allocator holds
+    /// back until the job has finished).
+    PunchExt {
+        file: Arc<dyn StoreFile>,
+        off: u64,
+        len: u64,
+    },
     /// Write metadata entries to layer `li`'s meta file.
     Meta { li: usize, off: u64, bytes: Vec<u8> },
 }
@@ -258,7 +358,12 @@ struct CheckpointJob {
     /// (data, meta) of every layer, by index at build time.
     layers: Vec<(Arc<dyn StoreFile>, Arc<dyn StoreFile>)>,
     touched: BTreeSet<usize>,
+    /// Copies and metadata writes.
     ops: Vec<JobOp>,
+    /// Hole punches, run once the metadata writes are durable: ranges no
+    /// durable metadata entry and no replayable WAL record refers to any
+    /// more (see [`Store::build_job`]).
+    punches: Vec<JobOp>,
 }
 
 impl CheckpointJob {
@@ -284,13 +389,28 @@ impl CheckpointJob {
                     self.wals[*src].read_at(&mut buf, *src_off)?;
                     self.layers[*li].0.write_at(&buf, *dst_off)?;
                 }
-                JobOp::Punch { li, off, len } => self.layers[*li].0.punch_hole(*off, *len)?,
                 JobOp::Meta { li, off, bytes } => self.layers[*li].1.write_at(bytes, *off)?,
+                JobOp::Punch { .. } | JobOp::PunchExt { .. } => {}
             }
         }
         for &li in &self.touched {
             self.layers[li].0.sync()?;
             self.layers[li].1.sync()?;
+        }
+        // Only space depends on the punches: a failed one leaves a range
+        // allocated that nothing reads (the next open punches free extent
+        // blocks again). Not synced here: the next job's syncs of these
+        // files (or the journal) make them durable; one lost at a power
+        // loss only leaks space.
+        for op in &self.punches {
+            let (file, off, len) = match op {
+                JobOp::Punch { li, off, len } => (&self.layers[*li].0, *off, *len),
+                JobOp::PunchExt { file, off, len } => (file, *off, *len),
+                JobOp::Copy { .. } | JobOp::Meta { .. } => continue,
+            };
+            if let Err(e) = file.punch_hole(off, len) {
+                warn!(error = %e, off, len, "checkpoint hole punch failed");
+            }
         }
         Ok(())
     }
@@ -452,6 +572,7 @@ impl Store {
             extent_min_blocks: EXTENT_MIN_BLOCKS,
             ext_bytes: 0,
             ext_pending: Vec::new(),
+            ext_pool_blocks: EXT_POOL_BLOCKS,
         };
         s.write_sb()?;
         s.write_sb()?; // both slots valid
@@ -551,6 +672,7 @@ impl Store {
             extent_min_blocks: EXTENT_MIN_BLOCKS,
             ext_bytes: 0,
             ext_pending: Vec::new(),
+            ext_pool_blocks: EXT_POOL_BLOCKS,
         };
         // Generation wal_gen is in whichever file starts with it; if a
         // WAL was sealed (flag set), generation wal_gen + 1 continues in
@@ -569,6 +691,8 @@ impl Store {
         // The index is now exactly the durable metadata and no record is
         // replayable: every extent block it does not reference is free.
         s.rebuild_ext_free();
+        // Free extent blocks a crash or a lost punch left allocated.
+        s.reclaim_ext_now();
         Ok(s)
     }
 
@@ -590,6 +714,8 @@ impl Store {
             ext: None,
             ext_end: 0,
             ext_free: BTreeMap::new(),
+            ext_holes: BTreeMap::new(),
+            ext_punching: Vec::new(),
             ext_unsynced: false,
         })
     }
@@ -600,6 +726,8 @@ impl Store {
         self.ext_pending.clear();
         for l in &mut self.layers {
             l.ext_free.clear();
+            l.ext_holes.clear();
+            l.ext_punching.clear();
             if l.ext.is_none() {
                 continue;
             }
@@ -629,10 +757,10 @@ impl Store {
         }
     }
 
-    /// Opens (creating) layer `li`'s extent file if it is not open yet.
-    fn ensure_ext(&mut self, li: usize) -> Result<()> {
-        if self.layers[li].ext.is_some() {
-            return Ok(());
+    /// Layer `li`'s extent file, opened (and created) if it is not open yet.
+    fn ensure_ext(&mut self, li: usize) -> Result<Arc<dyn StoreFile>> {
+        if let Some(f) = &self.layers[li].ext {
+            return Ok(f.clone());
         }
         let f = self
             .dir
@@ -647,8 +775,9 @@ impl Store {
         l.ext_end = l
             .ext_end
             .max(u32::try_from(len.div_ceil(BLOCK_SIZE_U64)).unwrap_or(u32::MAX));
-        l.ext = Some(Arc::from(f));
-        Ok(())
+        let f: Arc<dyn StoreFile> = Arc::from(f);
+        l.ext = Some(f.clone());
+        Ok(f)
     }
 
     /// Syncs the extent files with unsynced writes (before a WAL sync that
@@ -678,6 +807,61 @@ impl Store {
         }
     }
 
+    /// Takes every layer's free extent runs beyond its pool (the head
+    /// layer keeps [`Store::set_extent_pool`] blocks allocated for reuse,
+    /// the others none: only the head takes new large writes) out of the
+    /// allocator, as punches for a checkpoint job. Free runs are reusable
+    /// (see [`Store::release_ext`]): no durable metadata entry and no
+    /// replayable WAL record refers to them, so they may be punched at any
+    /// point of the job; held back until it has finished, they cannot be
+    /// reallocated under the punch.
+    fn plan_ext_punches(&mut self) -> Vec<JobOp> {
+        let head = self.layers.len().saturating_sub(1);
+        let pool = self.ext_pool_blocks;
+        let mut ops = Vec::new();
+        for (li, l) in self.layers.iter_mut().enumerate() {
+            let Some(file) = l.ext.clone() else {
+                continue;
+            };
+            let keep = if li == head { pool } else { 0 };
+            for (start, len) in l.ext_take_for_punch(keep) {
+                ops.push(JobOp::PunchExt {
+                    file: file.clone(),
+                    off: u64::from(start) * BLOCK_SIZE_U64,
+                    len: u64::from(len) * BLOCK_SIZE_U64,
+                });
+            }
+        }
+        ops
+    }
+
+    /// Punches free extent runs beyond the pools now and cuts punched runs
+    /// at the end of each extent file off its length (synchronous
+    /// checkpoints and open: no job in flight). Failures only leak space.
+    fn reclaim_ext_now(&mut self) {
+        debug_assert!(self.sealed.is_none());
+        for op in self.plan_ext_punches() {
+            if let JobOp::PunchExt { file, off, len } = op
+                && let Err(e) = file.punch_hole(off, len)
+            {
+                warn!(error = %e, off, len, "extent hole punch failed");
+            }
+        }
+        for l in &mut self.layers {
+            l.ext_punch_done(true);
+            if let Err(e) = l.ext_trim_tail() {
+                warn!(layer = l.info.id, error = %e, "extent file truncate failed");
+            }
+        }
+    }
+
+    /// Sets how many free extent blocks the head layer keeps allocated for
+    /// the next large writes (default [`EXT_POOL_BLOCKS`]); free blocks
+    /// beyond it are punched by the next checkpoint.
+    pub fn set_extent_pool(&mut self, blocks: u32) {
+        self.ext_pool_blocks = blocks;
+    }
+
     /// Sets the smallest ordered write (in blocks) redirected to an
     /// extent file (tests and the simulator use small values).
     pub fn set_extent_threshold(&mut self, blocks: u32) {
@@ -688,7 +872,9 @@ impl Store {
     /// many of them are free (tests).
     pub fn extent_usage(&self) -> (u32, u32) {
         let l = &self.layers[self.layers.len() - 1];
-        (l.ext_end, l.ext_free.values().sum())
+        let holes: u32 = l.ext_holes.values().sum();
+        let punching: u32 = l.ext_punching.iter().map(|r| r.1).sum();
+        (l.ext_end, l.ext_pool() + holes + punching)
     }
 
     /// Removes the files of a dropped layer.
@@ -993,7 +1179,7 @@ impl Store {
             self.write_sb()?;
         }
         let li = self.layers.len() - 1;
-        self.ensure_ext(li)?;
+        let ext = self.ensure_ext(li)?;
         h.kind = WalKind::ExtWrite;
         h.wal_gen = self.wgen;
         let sums = self.block_sums(&h, data);
@@ -1001,7 +1187,6 @@ impl Store {
         let blk = l
             .ext_alloc(h.nblocks)
             .ok_or_else(|| Error::InvalidArgument("extent file full".into()))?;
-        let ext = l.ext.clone().expect("extent file opened above");
         l.ext_unsynced = true;
         if let Err(e) = ext.write_at(data, u64::from(blk) * BLOCK_SIZE_U64) {
             for i in 0..h.nblocks {
@@ -1062,7 +1247,8 @@ impl Store {
         }
         let dirty = std::mem::take(&mut self.dirty);
         let sync_wals = if synced { vec![] } else { vec![self.cur] };
-        let job = Arc::new(self.build_job(&dirty, sync_wals));
+        let ext_punches = self.plan_ext_punches();
+        let job = Arc::new(self.build_job(&dirty, sync_wals, ext_punches));
         let running = if self.background {
             let j = job.clone();
             let spawned = std::thread::Builder::new()
@@ -1162,6 +1348,8 @@ impl Store {
             return Err(e);
         }
         self.point_to_layers(&s.dirty, Some(s.file));
+        // Its punches are done: the runs it held back are allocatable.
+        self.layers.iter_mut().for_each(|l| l.ext_punch_done(true));
         self.release_ext();
         // The sealed file keeps its length and blocks: the generation after
         // next overwrites it from offset 0 (pages still cached and
@@ -1602,8 +1790,16 @@ impl Store {
     fn checkpoint_as(&mut self, wal_sums: bool) -> Result<()> {
         self.settle()?;
         let dirty = std::mem::take(&mut self.dirty);
-        let job = self.build_job(&dirty, vec![0, 1]);
-        if let Err(e) = job.run() {
+        let ext_punches = self.plan_ext_punches();
+        let job = self.build_job(&dirty, vec![0, 1], ext_punches);
+        let res = job.run();
+        // The job is not run again: the runs it held back are allocatable
+        // (punched or not, both are free).
+        let punched = res.is_ok();
+        self.layers
+            .iter_mut()
+            .for_each(|l| l.ext_punch_done(punched));
+        if let Err(e) = res {
             self.dirty = dirty;
             return Err(Error::store("checkpoint")(e));
         }
@@ -1636,6 +1832,8 @@ impl Store {
         }
         self.point_to_layers(&dirty, None);
         self.release_ext();
+        // Off the write path: give back what this checkpoint freed now.
+        self.reclaim_ext_now();
         self.cur = 0;
         self.wgen = self.sb.wal_gen;
         self.wal_len = 0;
@@ -1668,8 +1866,35 @@ impl Store {
         }
     }
 
-    fn build_job(&self, dirty: &DirtySet, sync_wals: Vec<usize>) -> CheckpointJob {
+    ///
+    /// Hole punches in the data files (`punches`, run after the metadata
+    /// sync): a block trimmed (zero or absent) or moved to the extent file
+    /// leaves an older copy in its layer's data file. Once this job's
+    /// metadata entry for it is durable, no durable entry refers to that
+    /// copy, and WAL records never do (they carry their data or point into
+    /// an extent file). A later job (the only other writer of data files
+    /// while the store runs) copies a newer write of the block after this
+    /// punch. `ext_punches` are free extent runs from
+    /// [`Store::plan_ext_punches`].
+    fn build_job(
+        &self,
+        dirty: &DirtySet,
+        sync_wals: Vec<usize>,
+        ext_punches: Vec<JobOp>,
+    ) -> CheckpointJob {
         let mut ops = Vec::new();
+        let mut punches = Vec::new();
+        // Layer index, first block and blocks of the data-file punch run.
+        let mut punch_run: (usize, u64, u64) = (0, 0, 0);
+        let flush_punch = |run: &(usize, u64, u64), punches: &mut Vec<JobOp>| {
+            if run.2 > 0 {
+                punches.push(JobOp::Punch {
+                    li: run.0,
+                    off: run.1 * BLOCK_SIZE_U64,
+                    len: run.2 * BLOCK_SIZE_U64,
+                });
+            }
+        };
         let mut touched = BTreeSet::new();
         let mut data_run = CopyRun::default();
         let mut meta_run = MetaRun::default();
@@ -1698,24 +1923,31 @@ impl Store {
                 continue;
             };
             touched.insert(li);
-            let punch = JobOp::Punch {
-                li,
-                off: lba * BLOCK_SIZE_U64,
-                len: BLOCK_SIZE_U64,
+            let entry = self.layers[li].blocks.get(lba);
+            let punch = match entry {
+                None
+                | Some(Entry {
+                    loc: Loc::Ext(_), ..
+                }) => true,
+                Some(e) => e.meta.is_zero(),
             };
-            let meta_bytes = match self.layers[li].blocks.get(lba) {
-                None => {
-                    ops.push(punch);
-                    [0u8; META_SIZE]
+            if punch {
+                if punch_run.2 > 0 && punch_run.0 == li && punch_run.1 + punch_run.2 == lba {
+                    punch_run.2 += 1;
+                } else {
+                    flush_punch(&punch_run, &mut punches);
+                    punch_run = (li, lba, 1);
                 }
+            }
+            let meta_bytes = match entry {
+                None => [0u8; META_SIZE],
                 Some(&Entry {
                     meta,
                     loc: Loc::Ext(x),
                 }) => meta.encode_extent(x),
                 Some(e) => {
-                    if e.meta.is_zero() {
-                        ops.push(punch);
-                    } else if let Loc::Wal(f, off) = e.loc
+                    if !e.meta.is_zero()
+                        && let Loc::Wal(f, off) = e.loc
                         && !data_run.extends(usize::from(f), li, lba, off)
                     {
                         flush_copy(&data_run, &mut ops);
@@ -1739,6 +1971,8 @@ impl Store {
         }
         flush_copy(&data_run, &mut ops);
         flush_meta(&mut meta_run, &mut ops);
+        flush_punch(&punch_run, &mut punches);
+        punches.extend(ext_punches);
         CheckpointJob {
             wals: self.wals.clone(),
             sync_wals,
@@ -1753,6 +1987,7 @@ impl Store {
                 .collect(),
             touched,
             ops,
+            punches,
         }
     }
 

@@ -1229,27 +1229,42 @@ fn overwritten_extent_blocks_are_reused_only_after_the_checkpoint() {
     assert_eq!(s.extent_usage(), (8, 1));
 }
 
-/// Random mixed small and large writes (threshold 2 blocks) over 8
-/// blocks, random flushes and seals, power loss: the position is between
-/// the last flushed write and the last write, and every block holds what
-/// the writes up to it left, verifying (torn extent data ends the WAL).
+/// Random mixed small and large writes (threshold 2 blocks) and trims
+/// over 8 blocks, random flushes and seals, hole punches (extent pool of
+/// 0 to 3 blocks, so free extent runs are punched and the extent file's
+/// tail is cut; data-file copies of blocks that moved to the extent file
+/// or were trimmed are punched), a crash before the seal's job, between
+/// its punches and the superblock write, or after it, power loss (which
+/// keeps, drops or tears every unsynced write and punch): the position
+/// is between the last flushed write and the last write, and every block
+/// holds what the writes up to it left, verifying (torn extent data ends
+/// the WAL).
 #[test]
 fn power_loss_with_extent_writes_keeps_a_flushed_prefix() {
+    let mut punched_then_crashed = 0;
     for seed in 0..400u64 {
         let d = SimDisk::new(seed);
         let mut rng = Prng::new(seed ^ 0xe47);
         let mut s = new_store(&d, 8);
         s.set_extent_threshold(2);
+        s.set_extent_pool(rng.below(4) as u32);
         s.set_checkpoint_bytes(rng.range(1, 4) * 3 * BLOCK_SIZE as u64);
+        // (lba, blocks, value; 0: trimmed)
         let mut hist: Vec<(u64, u32, u8)> = vec![];
         let mut flushed = 0u64;
         let n = rng.range(1, 24);
         for i in 1..=n {
             let len = rng.range(1, 5) as u32;
             let lba = rng.below(8 - u64::from(len) + 1);
-            let v = ((i * 7) % 200) as u8 + 1;
-            s.write(Tag::new(1, i), lba, len, Some(&blks(v, len)))
-                .unwrap();
+            let v = if rng.chance(0.15) {
+                s.write(Tag::new(1, i), lba, len, None).unwrap();
+                0
+            } else {
+                let v = ((i * 7) % 200) as u8 + 1;
+                s.write(Tag::new(1, i), lba, len, Some(&blks(v, len)))
+                    .unwrap();
+                v
+            };
             hist.push((lba, len, v));
             if rng.chance(0.3) {
                 s.flush().unwrap();
@@ -1262,6 +1277,24 @@ fn power_loss_with_extent_writes_keeps_a_flushed_prefix() {
                 s.checkpoint().unwrap();
             }
         }
+        // Crash with the seal's job not run, run (metadata synced, holes
+        // punched, not synced) but not finished, or finished.
+        if s.checkpoint_pending() {
+            match rng.below(3) {
+                0 => {}
+                1 => {
+                    let punches = match &s.sealed {
+                        Some(x) => x.job.punches.len(),
+                        None => 0,
+                    };
+                    s.run_job_only().unwrap();
+                    if punches > 0 {
+                        punched_then_crashed += 1;
+                    }
+                }
+                _ => s.poll_checkpoint().unwrap(),
+            }
+        }
         drop(s);
         d.power_loss(&mut rng);
         let mut s = Store::open(Box::new(d.clone())).unwrap();
@@ -1272,8 +1305,12 @@ fn power_loss_with_extent_writes_keeps_a_flushed_prefix() {
         );
         let mut expect = vec![0u8; 8 * BLOCK_SIZE];
         for &(lba, len, v) in &hist[..p as usize] {
-            expect[lba as usize * BLOCK_SIZE..][..len as usize * BLOCK_SIZE]
-                .copy_from_slice(&blks(v, len));
+            let data = if v == 0 {
+                vec![0; len as usize * BLOCK_SIZE]
+            } else {
+                blks(v, len)
+            };
+            expect[lba as usize * BLOCK_SIZE..][..len as usize * BLOCK_SIZE].copy_from_slice(&data);
         }
         let mut out = vec![0u8; 8 * BLOCK_SIZE];
         assert!(s.read(0, 8, &mut out).unwrap().is_empty(), "seed {seed}");
@@ -1298,6 +1335,10 @@ fn power_loss_with_extent_writes_keeps_a_flushed_prefix() {
         assert!(bad.is_empty(), "seed {seed} again {bad:?}");
         assert!(out == expect, "seed {seed}: content after reuse");
     }
+    assert!(
+        punched_then_crashed > 20,
+        "crashes after a job's punches: {punched_then_crashed}"
+    );
 }
 
 #[test]
@@ -1556,4 +1597,398 @@ fn power_loss_over_reused_wal_files_keeps_a_flushed_prefix() {
         reused > 100,
         "leftover records past the live end in {reused} runs"
     );
+}
+
+/// Bytes allocated to a file (st_blocks), 0 if it does not exist.
+fn allocated(path: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).map_or(0, |m| m.blocks() * 512)
+}
+
+/// Bytes allocated to all files of a store directory.
+fn allocated_dir(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| allocated(&e.unwrap().path()))
+        .sum()
+}
+
+#[test]
+fn repeated_large_overwrites_keep_the_allocated_space_bounded() {
+    // A 4 MiB volume overwritten 12 times with 1 MiB writes, a flush after
+    // each: checkpoint windows of 2 to 4 MiB (the production ratio of
+    // window to a 512 MiB volume), an extent pool of 1 MiB.
+    const MIB: u64 = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+    let mut s = Store::create(mk(), 1024, ReplicaState::Clean).unwrap();
+    s.set_checkpoint_bytes(2 * MIB);
+    s.set_extent_pool(256);
+    let mut i = 0;
+    let mut peak = 0;
+    for pass in 0..12u8 {
+        for k in 0..4u8 {
+            i += 1;
+            let v = pass.wrapping_mul(16).wrapping_add(k * 4);
+            s.write(Tag::new(1, i), u64::from(k) * 256, 256, Some(&blks(v, 256)))
+                .unwrap();
+            s.flush().unwrap();
+        }
+        peak = peak.max(allocated_dir(dir.path()));
+    }
+    s.checkpoint().unwrap();
+    let after = allocated_dir(dir.path());
+    // Live data 4 MiB, metadata 32 KiB, superblock, empty WALs, the pool.
+    let live = 4 * MIB;
+    assert!(
+        after <= live + MIB + 128 * 1024,
+        "allocated {after} after the checkpoint (live {live}, pool 1 MiB)"
+    );
+    // Before it: also the WAL files and the extent blocks of up to two
+    // checkpoint windows not yet reusable (4 MiB each at most).
+    assert!(peak <= live + MIB + 8 * MIB + 2 * MIB, "peak {peak}");
+    let want: Vec<u8> = (0..4u8)
+        .flat_map(|k| blks(11u8.wrapping_mul(16).wrapping_add(k * 4), 256))
+        .collect();
+    let check = |s: &Store| {
+        let mut out = vec![0u8; 1024 * BLOCK_SIZE];
+        assert!(s.read(0, 1024, &mut out).unwrap().is_empty());
+        assert!(out == want);
+    };
+    check(&s);
+    drop(s);
+    let s = Store::open(mk()).unwrap();
+    check(&s);
+    assert!(allocated_dir(dir.path()) <= live + MIB + 128 * 1024);
+}
+
+#[test]
+fn a_block_written_small_then_large_leaves_the_layer_data_file() {
+    // Through a synchronous checkpoint and through a seal's job on the
+    // background thread.
+    for seal in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+        let data = dir.path().join("layer-1.data");
+        let mut s = Store::create(mk(), 64, ReplicaState::Clean).unwrap();
+        s.write(Tag::new(1, 1), 3, 1, Some(&blk(7))).unwrap();
+        s.write(Tag::new(1, 2), 30, 1, Some(&blk(8))).unwrap();
+        s.flush().unwrap();
+        s.checkpoint().unwrap();
+        assert_eq!(allocated(&data), 2 * BLOCK_SIZE as u64, "seal {seal}");
+        // Block 3 moves to the extent file; block 30 stays.
+        let n = EXTENT_MIN_BLOCKS;
+        s.write(Tag::new(1, 3), 0, n, Some(&blks(20, n))).unwrap();
+        if seal {
+            s.set_checkpoint_bytes(1);
+            s.flush().unwrap();
+            assert!(s.checkpoint_pending());
+            s.settle().unwrap();
+        } else {
+            s.flush().unwrap();
+            s.checkpoint().unwrap();
+        }
+        assert_eq!(allocated(&data), BLOCK_SIZE as u64, "seal {seal}");
+        let check = |s: &Store| {
+            let mut out = vec![0u8; 64 * BLOCK_SIZE];
+            assert!(s.read(0, 64, &mut out).unwrap().is_empty());
+            let want = [blks(20, n), vec![0; 14 * BLOCK_SIZE], blk(8)].concat();
+            assert!(out[..31 * BLOCK_SIZE] == want[..], "seal {seal}");
+        };
+        check(&s);
+        drop(s);
+        let s = Store::open(mk()).unwrap();
+        check(&s);
+    }
+}
+
+#[test]
+fn trimming_large_written_ranges_gives_the_space_back() {
+    const MIB: u64 = 1 << 20;
+    for pool in [0u32, 64] {
+        let dir = tempfile::tempdir().unwrap();
+        let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+        let ext = dir.path().join("layer-1.ext");
+        let mut s = Store::create(mk(), 1024, ReplicaState::Clean).unwrap();
+        s.set_extent_pool(pool);
+        for k in 0..4u64 {
+            s.write(Tag::new(1, k + 1), k * 256, 256, Some(&blks(k as u8, 256)))
+                .unwrap();
+        }
+        s.flush().unwrap();
+        s.checkpoint().unwrap();
+        assert_eq!(allocated(&ext), 4 * MIB);
+        // Trim the first three MiB (the last one stays live).
+        for k in 0..3u64 {
+            s.write(Tag::new(1, k + 5), k * 256, 256, None).unwrap();
+        }
+        s.flush().unwrap();
+        s.checkpoint().unwrap();
+        let pool_bytes = u64::from(pool) * BLOCK_SIZE_U64;
+        assert_eq!(allocated(&ext), MIB + pool_bytes, "pool {pool}");
+        // Trim the rest: only the pool stays allocated, and without one
+        // the file's free tail is cut off.
+        s.write(Tag::new(1, 8), 768, 256, None).unwrap();
+        s.flush().unwrap();
+        s.checkpoint().unwrap();
+        assert_eq!(allocated(&ext), pool_bytes, "pool {pool}");
+        if pool == 0 {
+            assert_eq!(std::fs::metadata(&ext).unwrap().len(), 0);
+        }
+        let mut out = vec![1u8; 1024 * BLOCK_SIZE];
+        assert!(s.read(0, 1024, &mut out).unwrap().is_empty());
+        assert!(out.iter().all(|&b| b == 0));
+        drop(s);
+        let s = Store::open(mk()).unwrap();
+        assert!(s.read(0, 1024, &mut out).unwrap().is_empty());
+        assert!(out.iter().all(|&b| b == 0));
+        assert!(allocated_dir(dir.path()) <= pool_bytes + 64 * 1024);
+    }
+}
+
+#[test]
+fn punching_never_touches_blocks_a_child_reads_through() {
+    let dir = tempfile::tempdir().unwrap();
+    let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+    let ext1 = dir.path().join("layer-1.ext");
+    let mut s = Store::create(mk(), 64, ReplicaState::Clean).unwrap();
+    s.set_extent_threshold(2);
+    s.set_extent_pool(0);
+    // Layer 1: blocks 0..16 and 32..48 in its extent file (extent blocks
+    // 0..32), block 20 in its data file.
+    s.write(Tag::new(1, 1), 0, 16, Some(&blks(1, 16))).unwrap();
+    s.write(Tag::new(1, 2), 20, 1, Some(&blk(100))).unwrap();
+    s.write(Tag::new(1, 3), 32, 16, Some(&blks(50, 16)))
+        .unwrap();
+    s.snapshot(Tag::new(1, 4), "s1", 2).unwrap();
+    assert_eq!(allocated(&ext1), 32 * BLOCK_SIZE_U64);
+    // The head overwrites some of it large and small, trims some, and
+    // churns its own extent file.
+    let mut want = [blks(1, 16), vec![0; 4 * BLOCK_SIZE], blk(100)].concat();
+    want.resize(32 * BLOCK_SIZE, 0);
+    want.extend(blks(50, 16));
+    want.resize(64 * BLOCK_SIZE, 0);
+    let mut t = 5;
+    for round in 0..4u8 {
+        s.write(Tag::new(1, t), 8, 8, Some(&blks(150 + round, 8)))
+            .unwrap();
+        s.write(Tag::new(1, t + 1), 1, 1, Some(&blk(200 + round)))
+            .unwrap();
+        s.write(Tag::new(1, t + 2), 40, 4, None).unwrap();
+        t += 3;
+        s.flush().unwrap();
+        s.checkpoint().unwrap();
+    }
+    want[8 * BLOCK_SIZE..16 * BLOCK_SIZE].copy_from_slice(&blks(153, 8));
+    want[BLOCK_SIZE..2 * BLOCK_SIZE].copy_from_slice(&blk(203));
+    want[40 * BLOCK_SIZE..44 * BLOCK_SIZE].fill(0);
+    // A rebuild's copy replaces one of layer 1's extent blocks: that one
+    // is punched (no pool outside the head), the others stay.
+    s.set_block(1, 33, SetBlock::Data(Tag::new(1, 3), &blk(99)))
+        .unwrap();
+    want[33 * BLOCK_SIZE..34 * BLOCK_SIZE].copy_from_slice(&blk(99));
+    s.checkpoint().unwrap();
+    s.checkpoint().unwrap();
+    assert_eq!(allocated(&ext1), 31 * BLOCK_SIZE_U64);
+    let check = |s: &Store, want: &[u8], what: &str| {
+        let mut out = vec![0u8; 64 * BLOCK_SIZE];
+        assert!(s.read(0, 64, &mut out).unwrap().is_empty(), "{what}");
+        assert!(out == want, "{what}");
+        // Every copy of every layer still verifies.
+        for id in s.layer_ids() {
+            for (b, (tag, _)) in s.read_layer(id, 0, 64, false).unwrap().iter().enumerate() {
+                assert!(
+                    !matches!(tag, BlockTag::Present { valid: false, .. }),
+                    "{what}: layer {id} block {b}"
+                );
+            }
+        }
+    };
+    check(&s, &want, "head");
+    drop(s);
+    let mut s = Store::open(mk()).unwrap();
+    s.set_extent_threshold(2);
+    s.set_extent_pool(0);
+    check(&s, &want, "reopened");
+    // Delete the snapshot (its blocks merge into the head), after a
+    // snapshot of the head; then revert to that one.
+    s.snapshot(Tag::new(1, t), "s2", 3).unwrap();
+    s.write(Tag::new(1, t + 1), 0, 4, Some(&blks(240, 4)))
+        .unwrap();
+    s.delete_snapshot(Tag::new(1, t + 2), 1).unwrap();
+    let mut want3 = want.clone();
+    want3[..4 * BLOCK_SIZE].copy_from_slice(&blks(240, 4));
+    check(&s, &want3, "after delete");
+    s.checkpoint().unwrap();
+    s.checkpoint().unwrap();
+    s.revert(Tag::new(1, t + 3), 2, 4).unwrap();
+    check(&s, &want, "after revert");
+    drop(s);
+    let s = Store::open(mk()).unwrap();
+    check(&s, &want, "reopened after revert");
+}
+
+/// A [`SimDisk`] that checks every hole punch against the durable
+/// metadata: no durable entry may refer to a punched range (a data-file
+/// block whose entry is a data entry, an extent block an extent entry
+/// points at). Violations are collected in `bad`.
+#[derive(Debug, Clone)]
+struct PunchChecker {
+    disk: SimDisk,
+    bad: Arc<std::sync::Mutex<Vec<String>>>,
+    punched: Arc<std::sync::atomic::AtomicU64>,
+}
+
+#[derive(Debug)]
+struct CheckedFile {
+    inner: Box<dyn StoreFile>,
+    name: String,
+    dir: PunchChecker,
+}
+
+impl CheckedFile {
+    fn check_punch(&self, off: u64, len: u64) {
+        let (layer, ext) = match self.name.rsplit_once('.') {
+            Some((l, "data")) => (l, false),
+            Some((l, "ext")) => (l, true),
+            _ => return,
+        };
+        let meta = self
+            .dir
+            .disk
+            .durable_file(&format!("{layer}.meta"))
+            .unwrap_or_default();
+        let first = off / BLOCK_SIZE_U64;
+        let end = (off + len).div_ceil(BLOCK_SIZE_U64);
+        self.dir
+            .punched
+            .fetch_add(end - first, std::sync::atomic::Ordering::Relaxed);
+        for (lba, raw) in meta.chunks_exact(META_SIZE).enumerate() {
+            let Ok(Some(m)) = BlockMeta::decode(raw) else {
+                continue;
+            };
+            if m.is_damaged() || m.is_zero() {
+                continue;
+            }
+            let hit = match (ext, m.flags & META_EXTENT != 0) {
+                (false, false) => (first..end).contains(&(lba as u64)),
+                (true, true) => BlockMeta::extent_block(raw)
+                    .is_some_and(|x| (first..end).contains(&u64::from(x))),
+                _ => false,
+            };
+            if hit {
+                self.dir.bad.lock().unwrap().push(format!(
+                    "punch of {} blocks {first}..{end} under the durable entry of block {lba}",
+                    self.name
+                ));
+            }
+        }
+    }
+}
+
+impl StoreFile for CheckedFile {
+    fn read_at(&self, buf: &mut [u8], off: u64) -> io::Result<()> {
+        self.inner.read_at(buf, off)
+    }
+    fn write_at(&self, buf: &[u8], off: u64) -> io::Result<()> {
+        self.inner.write_at(buf, off)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.inner.sync()
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        if self.name.ends_with(".ext") {
+            let cur = self.inner.len()?;
+            if cur > len {
+                self.check_punch(len, cur - len);
+            }
+        }
+        self.inner.set_len(len)
+    }
+    fn punch_hole(&self, off: u64, len: u64) -> io::Result<()> {
+        self.check_punch(off, len);
+        self.inner.punch_hole(off, len)
+    }
+}
+
+impl StoreDir for PunchChecker {
+    fn open(&self, name: &str, create: bool) -> io::Result<Box<dyn StoreFile>> {
+        Ok(Box::new(CheckedFile {
+            inner: self.disk.open(name, create)?,
+            name: name.to_string(),
+            dir: self.clone(),
+        }))
+    }
+    fn remove(&self, name: &str) -> io::Result<()> {
+        self.disk.remove(name)
+    }
+    fn list(&self) -> io::Result<Vec<String>> {
+        self.disk.list()
+    }
+    fn sync_dir(&self) -> io::Result<()> {
+        self.disk.sync_dir()
+    }
+    fn boot_id(&self) -> u64 {
+        self.disk.boot_id()
+    }
+    fn random(&self) -> u64 {
+        self.disk.random()
+    }
+    fn background_checkpoints(&self) -> bool {
+        false
+    }
+}
+
+#[test]
+fn holes_are_punched_only_where_no_durable_metadata_entry_points() {
+    // A block's older copy in its layer's data file may only be punched
+    // once no durable metadata entry refers to it: after the write of the
+    // entry that replaces it (zero, absent or extent) and a sync of the
+    // metadata file; an extent block once no durable entry points at it.
+    // Trims, moves to the extent file and overwrites of extent blocks,
+    // through seals' jobs and synchronous checkpoints, with a pool of 0.
+    let dir = PunchChecker {
+        disk: SimDisk::new(21),
+        bad: Arc::default(),
+        punched: Arc::default(),
+    };
+    let mut s = Store::create(Box::new(dir.clone()), 64, ReplicaState::Clean).unwrap();
+    s.set_extent_threshold(4);
+    s.set_extent_pool(0);
+    let mut t = 0;
+    let mut next = || {
+        t += 1;
+        Tag::new(1, t)
+    };
+    for round in 0..4u64 {
+        for lba in 0..12 {
+            s.write(next(), lba, 1, Some(&blk(lba as u8 + 1))).unwrap();
+        }
+        s.write(next(), 20, 8, Some(&blks(60, 8))).unwrap();
+        s.flush().unwrap();
+        s.checkpoint().unwrap();
+        let seal = round % 2 == 1;
+        s.set_checkpoint_bytes(if seal { 1 } else { 64 << 20 });
+        s.write(next(), 1, 1, None).unwrap();
+        s.write(next(), 4, 6, Some(&blks(30, 6))).unwrap();
+        s.write(next(), 11, 1, None).unwrap();
+        s.write(next(), 22, 4, None).unwrap();
+        s.set_block(1, 2, SetBlock::Absent).unwrap();
+        s.flush().unwrap();
+        if seal {
+            assert!(s.checkpoint_pending());
+            s.poll_checkpoint().unwrap();
+        } else {
+            s.checkpoint().unwrap();
+        }
+    }
+    drop(s);
+    let _s = Store::open(Box::new(dir.clone())).unwrap();
+    let bad = dir.bad.lock().unwrap().clone();
+    assert!(bad.is_empty(), "{bad:#?}");
+    let punched = dir.punched.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(punched >= 4 * 9, "{punched} blocks punched");
 }

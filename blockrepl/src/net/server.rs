@@ -296,18 +296,12 @@ pub async fn remote_link(
                         reader.abort();
                         return;
                     };
-                    if wr.send_with(|b| {
-                        req.encode_into(b);
-                        Ok(())
-                    }).await.is_err() {
+                    if wr.send_req(&req).await.is_err() {
                         break;
                     }
                     let mut ok = true;
                     while let Ok(more) = requests.try_recv() {
-                        if wr.send_with(|b| {
-                            more.encode_into(b);
-                            Ok(())
-                        }).await.is_err() {
+                        if wr.send_req(&more).await.is_err() {
                             ok = false;
                             break;
                         }

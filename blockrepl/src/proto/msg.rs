@@ -510,17 +510,35 @@ impl ReqFrame {
     /// Encodes the frame payload.
     pub fn encode(&self) -> BytesMut {
         let mut e = Enc(BytesMut::with_capacity(64));
-        self.put(&mut e);
+        self.put(&mut e, true);
         e.0
     }
 
     /// Appends the encoded frame payload to `out` (a frame being built in
     /// a send queue: no intermediate buffer).
     pub fn encode_into(&self, out: &mut Vec<u8>) {
-        self.put(&mut Enc(out));
+        self.put(&mut Enc(out), true);
     }
 
-    fn put<B: BufMut>(&self, e: &mut Enc<B>) {
+    /// The block data a write carries at the end of its payload.
+    pub fn write_data(&self) -> Option<&Bytes> {
+        match &self.req {
+            Request::Op {
+                op: Op::Write { data, .. },
+                ..
+            } => Some(data),
+            _ => None,
+        }
+    }
+
+    /// [`ReqFrame::encode_into`] without the trailing [`ReqFrame::write_data`]:
+    /// appending those bytes gives the whole payload (a sender can write
+    /// them from their own buffer instead of copying them).
+    pub fn encode_head_into(&self, out: &mut Vec<u8>) {
+        self.put(&mut Enc(out), false);
+    }
+
+    fn put<B: BufMut>(&self, e: &mut Enc<B>, with_data: bool) {
         e.0.put_u64_le(self.id);
         match &self.req {
             Request::Probe => e.0.put_u8(1),
@@ -547,7 +565,10 @@ impl ReqFrame {
                         e.0.put_u8(1);
                         e.0.put_u64_le(*lba);
                         e.0.put_u32_le((data.len() / BLOCK_SIZE) as u32);
-                        e.0.put_slice(data);
+                        // Last in the payload (see `encode_head_into`).
+                        if with_data {
+                            e.0.put_slice(data);
+                        }
                     }
                     Op::Zero { lba, blocks } => {
                         e.0.put_u8(2);

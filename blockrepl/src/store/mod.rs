@@ -275,6 +275,8 @@ pub struct Store {
     dirty: DirtySet,
     /// The sealed WAL and its checkpoint job, until finished.
     sealed: Option<Sealed>,
+    /// Extent punches started by the last finished checkpoint.
+    punch_job: Option<PunchJob>,
     /// Run checkpoint jobs on a thread (else inline, deferred).
     background: bool,
     checkpoint_bytes: u64,
@@ -301,6 +303,10 @@ impl Drop for Store {
     /// not have an old job write older copies over its own checkpoint.
     fn drop(&mut self) {
         if let Some(h) = self.sealed.as_mut().and_then(|s| s.running.take()) {
+            let _ = h.join();
+        }
+        // Its punches must not land in blocks a reopened store allocated.
+        if let Some(h) = self.punch_job.as_mut().and_then(|p| p.running.take()) {
             let _ = h.join();
         }
     }
@@ -337,7 +343,7 @@ enum JobOp {
     /// Punch a hole in layer `li`'s data (after the metadata sync).
     Punch { li: usize, off: u64, len: u64 },
     /// Punch a hole in an extent file (free blocks the allocator holds
-    /// back until the job has finished).
+    /// back until the [`PunchJob`] has finished).
     PunchExt {
         file: Arc<dyn StoreFile>,
         off: u64,
@@ -405,14 +411,35 @@ impl CheckpointJob {
         for op in &self.punches {
             let (file, off, len) = match op {
                 JobOp::Punch { li, off, len } => (&self.layers[*li].0, *off, *len),
-                JobOp::PunchExt { file, off, len } => (file, *off, *len),
-                JobOp::Copy { .. } | JobOp::Meta { .. } => continue,
+                JobOp::PunchExt { .. } | JobOp::Copy { .. } | JobOp::Meta { .. } => continue,
             };
             if let Err(e) = file.punch_hole(off, len) {
                 warn!(error = %e, off, len, "checkpoint hole punch failed");
             }
         }
         Ok(())
+    }
+}
+
+/// Punches of the free extent runs beyond the pools, started when a
+/// checkpoint has finished (so the blocks it freed go back within that
+/// checkpoint) and run off the write path like checkpoint jobs. Its runs
+/// are held back from the allocator until it has finished.
+#[derive(Debug)]
+struct PunchJob {
+    ops: Arc<Vec<JobOp>>,
+    /// The thread running it, if one does (else deferred, run inline).
+    running: Option<JoinHandle<()>>,
+}
+
+/// Runs [`JobOp::PunchExt`] ops; failures only leak space.
+fn run_ext_punches(ops: &[JobOp]) {
+    for op in ops {
+        if let JobOp::PunchExt { file, off, len } = op
+            && let Err(e) = file.punch_hole(*off, *len)
+        {
+            warn!(error = %e, off, len, "extent hole punch failed");
+        }
     }
 }
 
@@ -567,6 +594,7 @@ impl Store {
             position: Tag::default(),
             dirty: DirtySet::default(),
             sealed: None,
+            punch_job: None,
             background,
             checkpoint_bytes: CHECKPOINT_BYTES,
             extent_min_blocks: EXTENT_MIN_BLOCKS,
@@ -667,6 +695,7 @@ impl Store {
             position,
             dirty: DirtySet::default(),
             sealed: None,
+            punch_job: None,
             background,
             checkpoint_bytes: CHECKPOINT_BYTES,
             extent_min_blocks: EXTENT_MIN_BLOCKS,
@@ -810,10 +839,10 @@ impl Store {
     /// Takes every layer's free extent runs beyond its pool (the head
     /// layer keeps [`Store::set_extent_pool`] blocks allocated for reuse,
     /// the others none: only the head takes new large writes) out of the
-    /// allocator, as punches for a checkpoint job. Free runs are reusable
+    /// allocator, as punches for a [`PunchJob`]. Free runs are reusable
     /// (see [`Store::release_ext`]): no durable metadata entry and no
     /// replayable WAL record refers to them, so they may be punched at any
-    /// point of the job; held back until it has finished, they cannot be
+    /// point; held back until the punches have finished, they cannot be
     /// reallocated under the punch.
     fn plan_ext_punches(&mut self) -> Vec<JobOp> {
         let head = self.layers.len().saturating_sub(1);
@@ -839,14 +868,8 @@ impl Store {
     /// at the end of each extent file off its length (synchronous
     /// checkpoints and open: no job in flight). Failures only leak space.
     fn reclaim_ext_now(&mut self) {
-        debug_assert!(self.sealed.is_none());
-        for op in self.plan_ext_punches() {
-            if let JobOp::PunchExt { file, off, len } = op
-                && let Err(e) = file.punch_hole(off, len)
-            {
-                warn!(error = %e, off, len, "extent hole punch failed");
-            }
-        }
+        debug_assert!(self.sealed.is_none() && self.punch_job.is_none());
+        run_ext_punches(&self.plan_ext_punches());
         for l in &mut self.layers {
             l.ext_punch_done(true);
             if let Err(e) = l.ext_trim_tail() {
@@ -1247,8 +1270,7 @@ impl Store {
         }
         let dirty = std::mem::take(&mut self.dirty);
         let sync_wals = if synced { vec![] } else { vec![self.cur] };
-        let ext_punches = self.plan_ext_punches();
-        let job = Arc::new(self.build_job(&dirty, sync_wals, ext_punches));
+        let job = Arc::new(self.build_job(&dirty, sync_wals));
         let running = if self.background {
             let j = job.clone();
             let spawned = std::thread::Builder::new()
@@ -1283,13 +1305,74 @@ impl Store {
     /// Finishes a background checkpoint job that has completed (cheap
     /// otherwise); deferred jobs are left alone.
     fn reap(&mut self) -> Result<()> {
-        if self
-            .sealed
-            .as_ref()
-            .is_some_and(|s| s.running.as_ref().is_some_and(JoinHandle::is_finished))
+        let punch_done = |p: &Option<PunchJob>| {
+            p.as_ref()
+                .is_none_or(|p| p.running.as_ref().is_some_and(JoinHandle::is_finished))
+        };
+        if self.punch_job.is_some() && punch_done(&self.punch_job) {
+            self.finish_punch_job();
+        }
+        if self.punch_job.is_none()
+            && self
+                .sealed
+                .as_ref()
+                .is_some_and(|s| s.running.as_ref().is_some_and(JoinHandle::is_finished))
         {
             self.settle()?;
         }
+        Ok(())
+    }
+
+    /// Starts punching the free extent runs beyond the pools (on a
+    /// thread, or deferred like checkpoint jobs).
+    fn start_punch_job(&mut self) {
+        debug_assert!(self.punch_job.is_none());
+        let ops = self.plan_ext_punches();
+        if ops.is_empty() {
+            return;
+        }
+        let ops = Arc::new(ops);
+        let running = if self.background {
+            let o = ops.clone();
+            let spawned = std::thread::Builder::new()
+                .name("store-punch".into())
+                .spawn(move || run_ext_punches(&o));
+            match spawned {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    warn!(error = %e, "no punch thread, punching inline");
+                    run_ext_punches(&ops);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        self.punch_job = Some(PunchJob { ops, running });
+    }
+
+    /// Waits for (or runs) the extent punches in flight; their runs are
+    /// allocatable again (as holes).
+    fn finish_punch_job(&mut self) {
+        let Some(mut p) = self.punch_job.take() else {
+            return;
+        };
+        match p.running.take() {
+            Some(h) => {
+                if h.join().is_err() {
+                    warn!("punch thread panicked");
+                }
+            }
+            None => run_ext_punches(&p.ops),
+        }
+        self.layers.iter_mut().for_each(|l| l.ext_punch_done(true));
+    }
+
+    /// [`Store::settle`], then finishes the punches it started (operations
+    /// that change the layer chain or checkpoint synchronously).
+    fn settle_all(&mut self) -> Result<()> {
+        self.settle()?;
+        self.finish_punch_job();
         Ok(())
     }
 
@@ -1297,8 +1380,16 @@ impl Store {
     /// a completed background job, or a deferred job (run now, inline).
     /// The simulator calls it at seeded moments.
     pub fn poll_checkpoint(&mut self) -> Result<()> {
+        if self
+            .punch_job
+            .as_ref()
+            .is_some_and(|p| p.running.as_ref().is_none_or(JoinHandle::is_finished))
+        {
+            self.finish_punch_job();
+        }
         match &self.sealed {
             Some(s) if s.running.as_ref().is_some_and(|h| !h.is_finished()) => Ok(()),
+            Some(_) if self.punch_job.is_some() => Ok(()),
             Some(_) => self.settle(),
             None => Ok(()),
         }
@@ -1348,9 +1439,11 @@ impl Store {
             return Err(e);
         }
         self.point_to_layers(&s.dirty, Some(s.file));
-        // Its punches are done: the runs it held back are allocatable.
-        self.layers.iter_mut().for_each(|l| l.ext_punch_done(true));
         self.release_ext();
+        // Give back what it freed now, off the write path (the previous
+        // punches first: one set of held runs at a time).
+        self.finish_punch_job();
+        self.start_punch_job();
         // The sealed file keeps its length and blocks: the generation after
         // next overwrites it from offset 0 (pages still cached and
         // allocated, no truncate, no zeroing of new pages). What stays past
@@ -1788,18 +1881,10 @@ impl Store {
     /// [`Store::checkpoint`], with later records checksummed over the block
     /// checksums (`wal_sums`) or over the data (the format before it).
     fn checkpoint_as(&mut self, wal_sums: bool) -> Result<()> {
-        self.settle()?;
+        self.settle_all()?;
         let dirty = std::mem::take(&mut self.dirty);
-        let ext_punches = self.plan_ext_punches();
-        let job = self.build_job(&dirty, vec![0, 1], ext_punches);
-        let res = job.run();
-        // The job is not run again: the runs it held back are allocatable
-        // (punched or not, both are free).
-        let punched = res.is_ok();
-        self.layers
-            .iter_mut()
-            .for_each(|l| l.ext_punch_done(punched));
-        if let Err(e) = res {
+        let job = self.build_job(&dirty, vec![0, 1]);
+        if let Err(e) = job.run() {
             self.dirty = dirty;
             return Err(Error::store("checkpoint")(e));
         }
@@ -1874,14 +1959,8 @@ impl Store {
     /// copy, and WAL records never do (they carry their data or point into
     /// an extent file). A later job (the only other writer of data files
     /// while the store runs) copies a newer write of the block after this
-    /// punch. `ext_punches` are free extent runs from
-    /// [`Store::plan_ext_punches`].
-    fn build_job(
-        &self,
-        dirty: &DirtySet,
-        sync_wals: Vec<usize>,
-        ext_punches: Vec<JobOp>,
-    ) -> CheckpointJob {
+    /// punch.
+    fn build_job(&self, dirty: &DirtySet, sync_wals: Vec<usize>) -> CheckpointJob {
         let mut ops = Vec::new();
         let mut punches = Vec::new();
         // Layer index, first block and blocks of the data-file punch run.
@@ -1972,7 +2051,6 @@ impl Store {
         flush_copy(&data_run, &mut ops);
         flush_meta(&mut meta_run, &mut ops);
         flush_punch(&punch_run, &mut punches);
-        punches.extend(ext_punches);
         CheckpointJob {
             wals: self.wals.clone(),
             sync_wals,
@@ -2021,9 +2099,9 @@ impl Store {
         }
         self.checkpoint()?;
         self.merge_dropped_layers(layers)?;
-        // Its appends may have sealed a WAL: finish that job before layers
-        // are replaced or removed.
-        self.settle()?;
+        // Its appends may have sealed a WAL: finish that job (and the
+        // punches it starts) before layers are replaced or removed.
+        self.settle_all()?;
         let mut old: Vec<Layer> = std::mem::take(&mut self.layers);
         let mut new = Vec::new();
         for info in layers {

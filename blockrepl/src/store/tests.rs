@@ -1242,6 +1242,7 @@ fn overwritten_extent_blocks_are_reused_only_after_the_checkpoint() {
 #[test]
 fn power_loss_with_extent_writes_keeps_a_flushed_prefix() {
     let mut punched_then_crashed = 0;
+    let mut ext_punched_then_crashed = 0;
     for seed in 0..400u64 {
         let d = SimDisk::new(seed);
         let mut rng = Prng::new(seed ^ 0xe47);
@@ -1295,6 +1296,12 @@ fn power_loss_with_extent_writes_keeps_a_flushed_prefix() {
                 _ => s.poll_checkpoint().unwrap(),
             }
         }
+        // Extent punches a finished checkpoint started: crash before or
+        // after they ran (unsynced).
+        if s.punch_job.is_some() && rng.chance(0.5) {
+            s.finish_punch_job();
+            ext_punched_then_crashed += 1;
+        }
         drop(s);
         d.power_loss(&mut rng);
         let mut s = Store::open(Box::new(d.clone())).unwrap();
@@ -1336,8 +1343,9 @@ fn power_loss_with_extent_writes_keeps_a_flushed_prefix() {
         assert!(out == expect, "seed {seed}: content after reuse");
     }
     assert!(
-        punched_then_crashed > 20,
-        "crashes after a job's punches: {punched_then_crashed}"
+        punched_then_crashed > 20 && ext_punched_then_crashed > 20,
+        "crashes after a job's punches: {punched_then_crashed}, after extent punches: \
+         {ext_punched_then_crashed}"
     );
 }
 

@@ -320,6 +320,84 @@ pub fn parse_request<M: GuestMemoryBackend + ?Sized>(
     })
 }
 
+/// Checks a parsed request against a device of `size` bytes (read-only
+/// or not) and gathers what it carries from guest memory: the requested
+/// range must lie inside the device, data lengths must be whole sectors
+/// and at most [`MAX_DATA`], discard/write-zeroes take 1 to [`MAX_RANGES`]
+/// ranges with known flags. Anything else becomes [`BlkWork::Fail`] with
+/// the status byte to answer (guest-controlled input never panics).
+pub fn plan_request<M: GuestMemory + ?Sized>(
+    req: &BlkRequest,
+    mem: &M,
+    size: u64,
+    read_only: bool,
+) -> BlkWork {
+    let range_ok = |offset: u64, len: u64| offset.checked_add(len).is_some_and(|end| end <= size);
+    let offset = req.sector.checked_mul(SECTOR);
+    match req.typ {
+        T_IN => {
+            let len = req.writable_len();
+            match offset {
+                Some(o) if len <= MAX_DATA && len.is_multiple_of(SECTOR) && range_ok(o, len) => {
+                    BlkWork::Read {
+                        offset: o,
+                        len: len as usize,
+                    }
+                }
+                _ => BlkWork::Fail(S_IOERR),
+            }
+        }
+        T_OUT if read_only => BlkWork::Fail(S_IOERR),
+        T_OUT => {
+            let len = req.readable_len();
+            match offset {
+                Some(o) if len <= MAX_DATA && len.is_multiple_of(SECTOR) && range_ok(o, len) => {
+                    match gather(mem, &req.readable) {
+                        Some(d) => BlkWork::Write {
+                            offset: o,
+                            data: Bytes::from(d),
+                        },
+                        None => BlkWork::Fail(S_IOERR),
+                    }
+                }
+                _ => BlkWork::Fail(S_IOERR),
+            }
+        }
+        T_FLUSH => BlkWork::Flush,
+        T_GET_ID => BlkWork::Id,
+        T_DISCARD | T_WRITE_ZEROES if read_only => BlkWork::Fail(S_IOERR),
+        T_DISCARD | T_WRITE_ZEROES => {
+            let len = req.readable_len();
+            if len == 0 || !len.is_multiple_of(16) || len / 16 > MAX_RANGES as u64 {
+                return BlkWork::Fail(S_IOERR);
+            }
+            let Some(raw) = gather(mem, &req.readable) else {
+                return BlkWork::Fail(S_IOERR);
+            };
+            let mut ranges = Vec::new();
+            for r in raw.chunks_exact(16) {
+                let mut s = [0u8; 8];
+                s.copy_from_slice(&r[0..8]);
+                let sector = u64::from_le_bytes(s);
+                let n = u32::from_le_bytes([r[8], r[9], r[10], r[11]]) as u64;
+                let flags = u32::from_le_bytes([r[12], r[13], r[14], r[15]]);
+                if flags & !1 != 0 || (req.typ == T_DISCARD && flags != 0) {
+                    return BlkWork::Fail(S_UNSUPP);
+                }
+                match sector.checked_mul(SECTOR) {
+                    Some(o) if range_ok(o, n * SECTOR) => ranges.push((o, n * SECTOR)),
+                    _ => return BlkWork::Fail(S_IOERR),
+                }
+            }
+            BlkWork::Ranges {
+                zero: req.typ == T_WRITE_ZEROES,
+                ranges,
+            }
+        }
+        _ => BlkWork::Fail(S_UNSUPP),
+    }
+}
+
 fn gather<M: GuestMemory + ?Sized>(mem: &M, segs: &[(GuestAddress, u32)]) -> Option<Vec<u8>> {
     let total: usize = segs.iter().map(|s| s.1 as usize).sum();
     let mut buf = vec![0u8; total];
@@ -346,13 +424,39 @@ fn scatter<M: GuestMemory + ?Sized>(mem: &M, segs: &[(GuestAddress, u32)], data:
     true
 }
 
-/// Work prepared on the queue thread and finished on the runtime.
-enum Work {
-    Read { offset: u64, len: usize },
-    Write { offset: u64, data: Bytes },
+/// What a parsed request asks of the volume, after every check against
+/// the device ([`plan_request`]): prepared on the queue thread, finished
+/// on the runtime.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BlkWork {
+    /// Read `len` bytes at byte `offset` into the writable buffers.
+    Read {
+        /// Byte offset in the volume.
+        offset: u64,
+        /// Bytes to read.
+        len: usize,
+    },
+    /// Write `data` (gathered from the readable buffers) at byte `offset`.
+    Write {
+        /// Byte offset in the volume.
+        offset: u64,
+        /// The data.
+        data: Bytes,
+    },
+    /// Flush the volume.
     Flush,
+    /// Answer `VIRTIO_BLK_T_GET_ID`.
     Id,
-    Ranges { zero: bool, ranges: Vec<(u64, u64)> },
+    /// Discard (`zero == false`) or write zeroes over byte ranges
+    /// `(offset, len)`.
+    Ranges {
+        /// Write zeroes rather than discard.
+        zero: bool,
+        /// `(offset, len)` in bytes.
+        ranges: Vec<(u64, u64)>,
+    },
+    /// Answer at once with this status byte (`IOERR`, `UNSUPP`).
     Fail(u8),
 }
 
@@ -435,80 +539,6 @@ impl VhostUserBlk {
             .clone()
     }
 
-    fn prepare(&self, req: &BlkRequest, mem: &GuestMemoryMmap) -> Work {
-        let read_only = self.inner.cfg.read_only;
-        let size = self.inner.disk.size();
-        let range_ok =
-            |offset: u64, len: u64| offset.checked_add(len).is_some_and(|end| end <= size);
-        let offset = req.sector.checked_mul(SECTOR);
-        match req.typ {
-            T_IN => {
-                let len = req.writable_len();
-                match offset {
-                    Some(o)
-                        if len <= MAX_DATA && len.is_multiple_of(SECTOR) && range_ok(o, len) =>
-                    {
-                        Work::Read {
-                            offset: o,
-                            len: len as usize,
-                        }
-                    }
-                    _ => Work::Fail(S_IOERR),
-                }
-            }
-            T_OUT if read_only => Work::Fail(S_IOERR),
-            T_OUT => {
-                let len = req.readable_len();
-                match offset {
-                    Some(o)
-                        if len <= MAX_DATA && len.is_multiple_of(SECTOR) && range_ok(o, len) =>
-                    {
-                        match gather(mem, &req.readable) {
-                            Some(d) => Work::Write {
-                                offset: o,
-                                data: Bytes::from(d),
-                            },
-                            None => Work::Fail(S_IOERR),
-                        }
-                    }
-                    _ => Work::Fail(S_IOERR),
-                }
-            }
-            T_FLUSH => Work::Flush,
-            T_GET_ID => Work::Id,
-            T_DISCARD | T_WRITE_ZEROES if read_only => Work::Fail(S_IOERR),
-            T_DISCARD | T_WRITE_ZEROES => {
-                let len = req.readable_len();
-                if len == 0 || !len.is_multiple_of(16) || len / 16 > MAX_RANGES as u64 {
-                    return Work::Fail(S_IOERR);
-                }
-                let Some(raw) = gather(mem, &req.readable) else {
-                    return Work::Fail(S_IOERR);
-                };
-                let mut ranges = Vec::new();
-                for r in raw.chunks_exact(16) {
-                    let mut s = [0u8; 8];
-                    s.copy_from_slice(&r[0..8]);
-                    let sector = u64::from_le_bytes(s);
-                    let n = u32::from_le_bytes([r[8], r[9], r[10], r[11]]) as u64;
-                    let flags = u32::from_le_bytes([r[12], r[13], r[14], r[15]]);
-                    if flags & !1 != 0 || (req.typ == T_DISCARD && flags != 0) {
-                        return Work::Fail(S_UNSUPP);
-                    }
-                    match sector.checked_mul(SECTOR) {
-                        Some(o) if range_ok(o, n * SECTOR) => ranges.push((o, n * SECTOR)),
-                        _ => return Work::Fail(S_IOERR),
-                    }
-                }
-                Work::Ranges {
-                    zero: req.typ == T_WRITE_ZEROES,
-                    ranges,
-                }
-            }
-            _ => Work::Fail(S_UNSUPP),
-        }
-    }
-
     /// Pops and starts every available request of queue `q`.
     fn process_queue(&self, q: usize, vring: &VringRwLock) -> io::Result<()> {
         let Some(atomic) = self.memory() else {
@@ -538,10 +568,15 @@ impl VhostUserBlk {
                     continue;
                 }
             };
-            let work = self.prepare(&req, &mem);
+            let work = plan_request(
+                &req,
+                &*mem,
+                self.inner.disk.size(),
+                self.inner.cfg.read_only,
+            );
             let need = match &work {
-                Work::Read { len, .. } => *len,
-                Work::Write { data, .. } => data.len(),
+                BlkWork::Read { len, .. } => *len,
+                BlkWork::Write { data, .. } => data.len(),
                 _ => 0,
             } as u32;
             // Bound payload in flight: wait here (the queue thread), which
@@ -565,12 +600,19 @@ impl VhostUserBlk {
         Ok(())
     }
 
-    async fn finish(&self, q: usize, vring: &VringRwLock, head: u16, req: BlkRequest, work: Work) {
+    async fn finish(
+        &self,
+        q: usize,
+        vring: &VringRwLock,
+        head: u16,
+        req: BlkRequest,
+        work: BlkWork,
+    ) {
         let disk = &self.inner.disk;
         let c = &self.inner.counters;
         let mut data: Option<Bytes> = None;
         let status = match work {
-            Work::Read { offset, len } => match disk.read(offset, len).await {
+            BlkWork::Read { offset, len } => match disk.read(offset, len).await {
                 Ok(d) => {
                     c.read_bytes.fetch_add(len as u64, Ordering::Relaxed);
                     data = Some(d);
@@ -581,7 +623,7 @@ impl VhostUserBlk {
                     S_IOERR
                 }
             },
-            Work::Write { offset, data: d } => {
+            BlkWork::Write { offset, data: d } => {
                 let len = d.len() as u64;
                 match disk.write(offset, d).await {
                     Ok(()) => {
@@ -594,14 +636,14 @@ impl VhostUserBlk {
                     }
                 }
             }
-            Work::Flush => match disk.flush().await {
+            BlkWork::Flush => match disk.flush().await {
                 Ok(()) => S_OK,
                 Err(e) => {
                     warn!(error = %e, "virtio-blk flush failed");
                     S_IOERR
                 }
             },
-            Work::Id => {
+            BlkWork::Id => {
                 let mut id = [0u8; 20];
                 let s = self.inner.cfg.serial.as_bytes();
                 let n = s.len().min(20);
@@ -609,7 +651,7 @@ impl VhostUserBlk {
                 data = Some(Bytes::copy_from_slice(&id));
                 S_OK
             }
-            Work::Ranges { zero, ranges } => {
+            BlkWork::Ranges { zero, ranges } => {
                 let mut st = S_OK;
                 for (o, l) in ranges {
                     let r = if zero {
@@ -625,7 +667,7 @@ impl VhostUserBlk {
                 }
                 st
             }
-            Work::Fail(s) => s,
+            BlkWork::Fail(s) => s,
         };
         let mut written = 1u32;
         let mut status = status;
@@ -887,6 +929,95 @@ mod tests {
         h[0..4].copy_from_slice(&typ.to_le_bytes());
         h[8..16].copy_from_slice(&sector.to_le_bytes());
         m.write_slice(&h, GuestAddress(at)).unwrap();
+    }
+
+    #[test]
+    fn plans_check_requests_against_the_device() {
+        let m = mem();
+        let size = 1 << 20;
+        let req = |typ: u32, sector: u64, readable: Vec<(u64, u32)>, writable: Vec<(u64, u32)>| {
+            BlkRequest {
+                typ,
+                sector,
+                readable: readable
+                    .into_iter()
+                    .map(|(a, l)| (GuestAddress(a), l))
+                    .collect(),
+                writable: writable
+                    .into_iter()
+                    .map(|(a, l)| (GuestAddress(a), l))
+                    .collect(),
+                status: GuestAddress(0x9000),
+            }
+        };
+        let plan = |r: &BlkRequest, ro: bool| plan_request(r, &m, size, ro);
+        // Reads: whole sectors inside the device.
+        let last = size / SECTOR - 8;
+        assert_eq!(
+            plan(&req(T_IN, last, vec![], vec![(0x2000, 4096)]), true),
+            BlkWork::Read {
+                offset: last * SECTOR,
+                len: 4096
+            }
+        );
+        for r in [
+            req(T_IN, last + 1, vec![], vec![(0x2000, 4096)]),
+            req(T_IN, u64::MAX / 256, vec![], vec![(0x2000, 512)]),
+            req(T_IN, 0, vec![], vec![(0x2000, 100)]),
+        ] {
+            assert_eq!(plan(&r, false), BlkWork::Fail(S_IOERR), "{r:?}");
+        }
+        // Writes: gathered from guest memory; refused on a read-only device
+        // and when a buffer is not mapped.
+        m.write_slice(&[7u8; 1024], GuestAddress(0x3000)).unwrap();
+        let w = req(T_OUT, 2, vec![(0x3000, 512), (0x3200, 512)], vec![]);
+        assert_eq!(
+            plan(&w, false),
+            BlkWork::Write {
+                offset: 1024,
+                data: Bytes::from(vec![7u8; 1024])
+            }
+        );
+        assert_eq!(plan(&w, true), BlkWork::Fail(S_IOERR));
+        let unmapped = req(T_OUT, 0, vec![(0xfff_0000, 512)], vec![]);
+        assert_eq!(plan(&unmapped, false), BlkWork::Fail(S_IOERR));
+        // Discard / write zeroes: 16-byte ranges, known flags, inside.
+        let range = |at: u64, sector: u64, n: u32, flags: u32| {
+            let mut r = [0u8; 16];
+            r[0..8].copy_from_slice(&sector.to_le_bytes());
+            r[8..12].copy_from_slice(&n.to_le_bytes());
+            r[12..16].copy_from_slice(&flags.to_le_bytes());
+            m.write_slice(&r, GuestAddress(at)).unwrap();
+        };
+        range(0x4000, 8, 16, 1);
+        range(0x4010, 0, 8, 0);
+        let z = req(T_WRITE_ZEROES, 0, vec![(0x4000, 32)], vec![]);
+        assert_eq!(
+            plan(&z, false),
+            BlkWork::Ranges {
+                zero: true,
+                ranges: vec![(4096, 8192), (0, 4096)]
+            }
+        );
+        // The unmap flag is only valid for write zeroes.
+        let d = req(T_DISCARD, 0, vec![(0x4000, 32)], vec![]);
+        assert_eq!(plan(&d, false), BlkWork::Fail(S_UNSUPP));
+        range(0x4000, size / SECTOR - 4, 8, 0);
+        assert_eq!(
+            plan(&d, false),
+            BlkWork::Fail(S_IOERR),
+            "range past the end"
+        );
+        for bad_len in [0, 15, 16 * (MAX_RANGES + 1)] {
+            let r = req(T_DISCARD, 0, vec![(0x4000, bad_len)], vec![]);
+            assert_eq!(plan(&r, false), BlkWork::Fail(S_IOERR), "{bad_len} bytes");
+        }
+        assert_eq!(plan(&d, true), BlkWork::Fail(S_IOERR), "read-only");
+        assert_eq!(plan(&req(T_FLUSH, 0, vec![], vec![]), true), BlkWork::Flush);
+        assert_eq!(
+            plan(&req(99, 0, vec![], vec![]), false),
+            BlkWork::Fail(S_UNSUPP)
+        );
     }
 
     #[test]

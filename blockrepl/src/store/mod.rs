@@ -67,7 +67,8 @@ const WAL_LIMIT_FACTOR: u64 = 2;
 pub const EXTENT_MIN_BLOCKS: u32 = 16;
 
 /// Free extent blocks (32 MiB) the head layer keeps allocated for the next
-/// large writes instead of punching them (see [`Store::set_extent_pool`]).
+/// large writes instead of punching them, and at most an eighth of the
+/// volume (see [`Store::set_extent_pool`]).
 pub const EXT_POOL_BLOCKS: u32 = 8192;
 
 /// Redirected writes appended by every store of this process.
@@ -155,15 +156,63 @@ fn run_take_first_fit(runs: &mut BTreeMap<u32, u32>, n: u32) -> Option<u32> {
     Some(start)
 }
 
+/// Removes `[start, start + len)` from `runs` (splitting runs it cuts).
+fn run_remove(runs: &mut BTreeMap<u32, u32>, start: u32, len: u32) {
+    let end = start + len;
+    let cut: Vec<(u32, u32)> = runs
+        .range(..end)
+        .rev()
+        .take_while(|&(&s, &l)| s + l > start)
+        .map(|(&s, &l)| (s, l))
+        .collect();
+    for (s, l) in cut {
+        runs.remove(&s);
+        if s < start {
+            runs.insert(s, start - s);
+        }
+        if s + l > end {
+            runs.insert(end, s + l - end);
+        }
+    }
+}
+
+/// First block of the first run of `n` free blocks in the union of two
+/// disjoint run maps (runs of both that touch count as one).
+fn runs_first_fit_union(a: &BTreeMap<u32, u32>, b: &BTreeMap<u32, u32>, n: u32) -> Option<u32> {
+    // Both maps in block order, merged without allocating.
+    let (mut a, mut b) = (a.iter().peekable(), b.iter().peekable());
+    let (mut start, mut len) = (0u32, 0u32);
+    loop {
+        let next = match (a.peek(), b.peek()) {
+            (Some(x), Some(y)) if x.0 <= y.0 => a.next(),
+            (Some(_), Some(_)) => b.next(),
+            (Some(_), None) => a.next(),
+            (None, _) => b.next(),
+        };
+        let (&s, &l) = next?;
+        if len > 0 && start + len == s {
+            len += l;
+        } else {
+            (start, len) = (s, l);
+        }
+        if len >= n {
+            return Some(start);
+        }
+    }
+}
+
 impl Layer {
     /// Allocates `n` consecutive extent blocks: first fit in the free runs
-    /// still allocated in the file, else in the punched ones, else at the
+    /// still allocated in the file (no file system allocation), else in
+    /// all free runs (allocated and punched ones together), else at the
     /// end of the file.
     fn ext_alloc(&mut self, n: u32) -> Option<u32> {
         if let Some(b) = run_take_first_fit(&mut self.ext_free, n) {
             return Some(b);
         }
-        if let Some(b) = run_take_first_fit(&mut self.ext_holes, n) {
+        if let Some(b) = runs_first_fit_union(&self.ext_free, &self.ext_holes, n) {
+            run_remove(&mut self.ext_free, b, n);
+            run_remove(&mut self.ext_holes, b, n);
             return Some(b);
         }
         let start = self.ext_end;
@@ -291,10 +340,11 @@ pub struct Store {
     /// of the replacing record is durable, so neither metadata nor a
     /// replayable record can still point at them).
     ext_pending: Vec<(u64, u64, u32)>,
-    /// Free extent blocks the head layer keeps allocated for reuse; free
-    /// blocks beyond them (and every free block of other layers) are
-    /// punched (see [`Store::set_extent_pool`]).
-    ext_pool_blocks: u32,
+    /// Free extent blocks the head layer keeps allocated for reuse (set by
+    /// [`Store::set_extent_pool`], else [`Store::extent_pool`]'s default);
+    /// free blocks beyond them (and every free block of other layers) are
+    /// punched.
+    ext_pool_blocks: Option<u32>,
 }
 
 impl Drop for Store {
@@ -600,7 +650,7 @@ impl Store {
             extent_min_blocks: EXTENT_MIN_BLOCKS,
             ext_bytes: 0,
             ext_pending: Vec::new(),
-            ext_pool_blocks: EXT_POOL_BLOCKS,
+            ext_pool_blocks: None,
         };
         s.write_sb()?;
         s.write_sb()?; // both slots valid
@@ -701,7 +751,7 @@ impl Store {
             extent_min_blocks: EXTENT_MIN_BLOCKS,
             ext_bytes: 0,
             ext_pending: Vec::new(),
-            ext_pool_blocks: EXT_POOL_BLOCKS,
+            ext_pool_blocks: None,
         };
         // Generation wal_gen is in whichever file starts with it; if a
         // WAL was sealed (flag set), generation wal_gen + 1 continues in
@@ -713,6 +763,14 @@ impl Store {
         {
             s.replay_file(1 - f, wgen + 1);
         }
+        // Replay's frees are not to be trusted: if a job wrote metadata
+        // entries but its superblock write was lost, replay applies
+        // records over entries that already have them, so a record "frees"
+        // the extent blocks it wrote itself (or a later record of its
+        // generation wrote). The free runs come from the index after the
+        // checkpoint below (`rebuild_ext_free`), and nothing may be
+        // released (or punched) before.
+        s.ext_pending.clear();
         // Both files are checkpointed and truncated: the new generation
         // must differ from every one they may still hold.
         s.wgen = wgen + 1;
@@ -846,7 +904,7 @@ impl Store {
     /// reallocated under the punch.
     fn plan_ext_punches(&mut self) -> Vec<JobOp> {
         let head = self.layers.len().saturating_sub(1);
-        let pool = self.ext_pool_blocks;
+        let pool = self.extent_pool();
         let mut ops = Vec::new();
         for (li, l) in self.layers.iter_mut().enumerate() {
             let Some(file) = l.ext.clone() else {
@@ -879,10 +937,19 @@ impl Store {
     }
 
     /// Sets how many free extent blocks the head layer keeps allocated for
-    /// the next large writes (default [`EXT_POOL_BLOCKS`]); free blocks
-    /// beyond it are punched by the next checkpoint.
+    /// the next large writes (default: [`EXT_POOL_BLOCKS`], at most an
+    /// eighth of the volume); free blocks beyond it are punched once the
+    /// checkpoint that freed them has finished.
     pub fn set_extent_pool(&mut self, blocks: u32) {
-        self.ext_pool_blocks = blocks;
+        self.ext_pool_blocks = Some(blocks);
+    }
+
+    /// Free extent blocks the head layer keeps allocated for reuse.
+    pub fn extent_pool(&self) -> u32 {
+        self.ext_pool_blocks.unwrap_or_else(|| {
+            let eighth = u32::try_from(self.sb.size_blocks / 8).unwrap_or(u32::MAX);
+            EXT_POOL_BLOCKS.min(eighth)
+        })
     }
 
     /// Sets the smallest ordered write (in blocks) redirected to an

@@ -80,6 +80,15 @@ pub fn extent_writes() -> u64 {
     EXTENT_WRITES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// Free extent blocks punched by every store of this process.
+static EXTENT_PUNCHED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many free extent blocks stores of this process punched (tests and
+/// the simulator).
+pub fn extent_blocks_punched() -> u64 {
+    EXTENT_PUNCHED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 #[derive(Clone, Copy, Debug)]
 enum Loc {
     /// In the layer's data file (or nowhere, for zero blocks).
@@ -485,10 +494,14 @@ struct PunchJob {
 /// Runs [`JobOp::PunchExt`] ops; failures only leak space.
 fn run_ext_punches(ops: &[JobOp]) {
     for op in ops {
-        if let JobOp::PunchExt { file, off, len } = op
-            && let Err(e) = file.punch_hole(*off, *len)
-        {
-            warn!(error = %e, off, len, "extent hole punch failed");
+        if let JobOp::PunchExt { file, off, len } = op {
+            match file.punch_hole(*off, *len) {
+                Ok(()) => {
+                    EXTENT_PUNCHED
+                        .fetch_add(len / BLOCK_SIZE_U64, std::sync::atomic::Ordering::Relaxed);
+                }
+                Err(e) => warn!(error = %e, off, len, "extent hole punch failed"),
+            }
         }
     }
 }

@@ -2067,3 +2067,39 @@ fn simulator_seeds_punch_free_extent_blocks_and_stay_clean() {
     println!("extent blocks punched in 80 sim runs: {n}");
     assert!(n > 0);
 }
+
+#[test]
+fn extent_allocator_prefers_the_pool_and_joins_pool_and_hole_runs() {
+    let d = SimDisk::new(41);
+    let s = new_store(&d, 64);
+    let mut l = Store::open_layer(&d, s.sb.layers[0].clone(), false).unwrap();
+    l.ext_end = 20;
+    // Free: 0..4 and 10..16 allocated, 4..6 and 16..20 punched.
+    for b in (0..4).chain(10..16) {
+        l.ext_release(b);
+    }
+    run_insert(&mut l.ext_holes, 4, 2);
+    run_insert(&mut l.ext_holes, 16, 4);
+    assert_eq!(l.ext_pool(), 10);
+    // A pool run that fits first.
+    assert_eq!(l.ext_alloc(5), Some(10));
+    // None does: pool 0..4 and holes 4..6 form one run.
+    assert_eq!(l.ext_alloc(6), Some(0));
+    assert_eq!(l.ext_free, BTreeMap::from([(15, 1)]));
+    assert_eq!(l.ext_holes, BTreeMap::from([(16, 4)]));
+    assert_eq!(l.ext_alloc(5), Some(15));
+    assert_eq!(l.ext_alloc(2), Some(20));
+    assert_eq!(l.ext_end, 22);
+    // Punches take the highest runs beyond the kept blocks.
+    for b in 0..8 {
+        l.ext_release(b);
+    }
+    l.ext_release(12);
+    assert_eq!(l.ext_take_for_punch(3), vec![(12, 1), (3, 5)]);
+    assert_eq!(l.ext_free, BTreeMap::from([(0, 3)]));
+    // Nothing held back is allocatable until the punch is done.
+    assert_eq!(l.ext_alloc(4), Some(22));
+    l.ext_punch_done(true);
+    assert_eq!(l.ext_holes, BTreeMap::from([(3, 5), (12, 1)]));
+    assert_eq!(l.ext_alloc(8), Some(0));
+}

@@ -2103,3 +2103,56 @@ fn extent_allocator_prefers_the_pool_and_joins_pool_and_hole_runs() {
     assert_eq!(l.ext_holes, BTreeMap::from([(3, 5), (12, 1)]));
     assert_eq!(l.ext_alloc(8), Some(0));
 }
+
+/// Not a test: 1 MiB sequential writes on real files (a 512 MiB fill, then
+/// full overwrites, no flushes, like fio's nbd engine), printing MB/s per
+/// pass, the allocated bytes and the extent blocks punched. `cargo test
+/// --release -p sheaf-blockrepl --lib bench_large_overwrites -- --ignored
+/// --nocapture`; `SHEAF_BENCH_PASSES` (default 4), `SHEAF_BENCH_POOL_MIB`
+/// (default: the store's), `SHEAF_BENCH_DIR` (default /var/tmp).
+#[test]
+#[ignore]
+fn bench_large_overwrites() {
+    const MIB: usize = 1 << 20;
+    let env = |k: &str| std::env::var(k).ok();
+    let base = env("SHEAF_BENCH_DIR").unwrap_or_else(|| "/var/tmp".into());
+    let passes: u64 = env("SHEAF_BENCH_PASSES")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    let dir = tempfile::tempdir_in(base).unwrap();
+    let mut s = Store::create(
+        Box::new(disk::StdDir::new(dir.path()).unwrap()),
+        131_072,
+        ReplicaState::Clean,
+    )
+    .unwrap();
+    if let Some(p) = env("SHEAF_BENCH_POOL_MIB").and_then(|v| v.parse::<u32>().ok()) {
+        s.set_extent_pool(p * 256);
+    }
+    // A data file as long as the volume, as sheaf-blockd creates it.
+    s.resize(Tag::new(1, 1), 131_072).unwrap();
+    let mut t = 1u64;
+    let mut buf: Vec<u8> = (0..MIB).map(|i| (i * 31 % 251) as u8).collect();
+    let punched = extent_blocks_punched();
+    for pass in 0..passes {
+        let start = std::time::Instant::now();
+        for k in 0..512u64 {
+            t += 1;
+            buf[..8].copy_from_slice(&t.to_le_bytes());
+            s.write(Tag::new(1, t), k * 256, 256, Some(&buf)).unwrap();
+        }
+        let secs = start.elapsed().as_secs_f64();
+        println!(
+            "pass {pass}: {:.0} MB/s, {} MiB allocated, {} MiB punched",
+            512.0 * MIB as f64 / secs / 1e6,
+            allocated_dir(dir.path()) >> 20,
+            (extent_blocks_punched() - punched) >> 8
+        );
+    }
+    s.flush().unwrap();
+    s.checkpoint().unwrap();
+    println!(
+        "after a checkpoint: {} MiB allocated",
+        allocated_dir(dir.path()) >> 20
+    );
+}

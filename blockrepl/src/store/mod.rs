@@ -920,9 +920,8 @@ impl Store {
     /// replayable WAL record refers to them, so they may be punched at any
     /// point; held back until the punches have finished, they cannot be
     /// reallocated under the punch.
-    fn plan_ext_punches(&mut self) -> Vec<JobOp> {
+    fn plan_ext_punches(&mut self, pool: u32) -> Vec<JobOp> {
         let head = self.layers.len().saturating_sub(1);
-        let pool = self.extent_pool();
         let mut ops = Vec::new();
         for (li, l) in self.layers.iter_mut().enumerate() {
             let Some(file) = l.ext.clone() else {
@@ -945,7 +944,7 @@ impl Store {
     /// checkpoints and open: no job in flight). Failures only leak space.
     fn reclaim_ext_now(&mut self) {
         debug_assert!(self.sealed.is_none() && self.punch_job.is_none());
-        run_ext_punches(&self.plan_ext_punches());
+        run_ext_punches(&self.plan_ext_punches(self.extent_pool()));
         for l in &mut self.layers {
             l.ext_punch_done(true);
             if let Err(e) = l.ext_trim_tail() {
@@ -1416,9 +1415,9 @@ impl Store {
 
     /// Starts punching the free extent runs beyond the pools (on a
     /// thread, or deferred like checkpoint jobs).
-    fn start_punch_job(&mut self) {
+    fn start_punch_job(&mut self, pool: u32) {
         debug_assert!(self.punch_job.is_none());
-        let ops = self.plan_ext_punches();
+        let ops = self.plan_ext_punches(pool);
         if ops.is_empty() {
             return;
         }
@@ -1486,6 +1485,30 @@ impl Store {
         }
     }
 
+    /// The volume is idle (its caller saw no request for a while; call it
+    /// again while that lasts, e.g. every second). Gives the space of
+    /// overwritten and trimmed blocks back without waiting for the next
+    /// WAL limit: the first call seals the WAL if it holds records (its
+    /// checkpoint runs off the store thread, like at the limit), later
+    /// calls finish that checkpoint and its punches, and once nothing is
+    /// outstanding and nothing was written since, also punch the free
+    /// extent blocks the pool kept for a stream of large writes. Never
+    /// waits for I/O in flight; safe at any time (it only does what the
+    /// write path does at its limit).
+    pub fn idle(&mut self) -> Result<()> {
+        self.poll_checkpoint()?;
+        if self.sealed.is_some() || self.punch_job.is_some() {
+            return Ok(());
+        }
+        if self.wal_len > 0 {
+            return self.seal();
+        }
+        if self.layers.iter().any(|l| l.ext_pool() > 0) {
+            self.start_punch_job(0);
+        }
+        Ok(())
+    }
+
     /// Whether a sealed WAL's checkpoint is outstanding (tests).
     pub fn checkpoint_pending(&self) -> bool {
         self.sealed.is_some()
@@ -1534,7 +1557,7 @@ impl Store {
         // Give back what it freed now, off the write path (the previous
         // punches first: one set of held runs at a time).
         self.finish_punch_job();
-        self.start_punch_job();
+        self.start_punch_job(self.extent_pool());
         // The sealed file keeps its length and blocks: the generation after
         // next overwrites it from offset 0 (pages still cached and
         // allocated, no truncate, no zeroing of new pages). What stays past

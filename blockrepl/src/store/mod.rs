@@ -2363,7 +2363,10 @@ impl Store {
         self.sb.layers = self.layers.iter().map(|l| l.info.clone()).collect();
         self.position = tag;
         self.sb.position = tag;
-        self.write_sb()
+        self.write_sb()?;
+        // The frozen layer takes no more large writes: its pool goes back.
+        self.reclaim_ext_now();
+        Ok(())
     }
 
     /// Ordered: deletes snapshot layer `layer`, merging the blocks it holds

@@ -1402,11 +1402,10 @@ impl Store {
         if self.punch_job.is_some() && punch_done(&self.punch_job) {
             self.finish_punch_job();
         }
-        if self.punch_job.is_none()
-            && self
-                .sealed
-                .as_ref()
-                .is_some_and(|s| s.running.as_ref().is_some_and(JoinHandle::is_finished))
+        if self
+            .sealed
+            .as_ref()
+            .is_some_and(|s| s.running.as_ref().is_some_and(JoinHandle::is_finished))
         {
             self.settle()?;
         }
@@ -1479,7 +1478,6 @@ impl Store {
         }
         match &self.sealed {
             Some(s) if s.running.as_ref().is_some_and(|h| !h.is_finished()) => Ok(()),
-            Some(_) if self.punch_job.is_some() => Ok(()),
             Some(_) => self.settle(),
             None => Ok(()),
         }
@@ -1554,10 +1552,17 @@ impl Store {
         }
         self.point_to_layers(&s.dirty, Some(s.file));
         self.release_ext();
-        // Give back what it freed now, off the write path (the previous
-        // punches first: one set of held runs at a time).
-        self.finish_punch_job();
-        self.start_punch_job(self.extent_pool());
+        // Give back what it freed now, off the write path. One set of
+        // held runs at a time: if the previous punches are still running
+        // (never waited for here), the next finish punches these.
+        let punching = self
+            .punch_job
+            .as_ref()
+            .is_some_and(|p| p.running.as_ref().is_some_and(|h| !h.is_finished()));
+        if !punching {
+            self.finish_punch_job();
+            self.start_punch_job(self.extent_pool());
+        }
         // The sealed file keeps its length and blocks: the generation after
         // next overwrites it from offset 0 (pages still cached and
         // allocated, no truncate, no zeroing of new pages). What stays past

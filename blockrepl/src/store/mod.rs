@@ -123,9 +123,10 @@ struct Layer {
     ext_free: BTreeMap<u32, u32>,
     /// Free extent block runs whose blocks were punched (holes).
     ext_holes: BTreeMap<u32, u32>,
-    /// Free runs taken out of the allocator for a punch that a checkpoint
-    /// job has not finished: never handed out before it has (a job re-run
-    /// after an error punches them again).
+    /// Free runs taken out of the allocator for a punch that has not
+    /// finished (a [`PunchJob`], or the inline punches of a synchronous
+    /// checkpoint): never handed out before it has, so a punch cannot land
+    /// in a block allocated meanwhile. One set at a time.
     ext_punching: Vec<(u32, u32)>,
     /// The extent file has writes no sync covered yet.
     ext_unsynced: bool,

@@ -2162,7 +2162,10 @@ fn extent_allocator_prefers_the_pool_and_joins_pool_and_hole_runs() {
         l.ext_release(b);
     }
     l.ext_release(12);
-    assert_eq!(l.ext_take_for_punch(3), vec![(12, 1), (3, 5)]);
+    assert_eq!(
+        l.ext_take_for_punch(3, 1, usize::MAX),
+        vec![(12, 1), (3, 5)]
+    );
     assert_eq!(l.ext_free, BTreeMap::from([(0, 3)]));
     // Nothing held back is allocatable until the punch is done.
     assert_eq!(l.ext_alloc(4), Some(22));

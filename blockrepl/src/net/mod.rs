@@ -381,32 +381,8 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
         &mut self,
         fill: impl FnOnce(&mut FrameBuf) -> Result<()>,
     ) -> Result<()> {
-        let start = self.buf.len();
-        self.buf.extend_from_slice(&[0u8; 4]);
-        let at = self.buf.len();
-        if let Err(e) = fill(&mut self.buf) {
-            self.buf.truncate(start);
-            return Err(e);
-        }
-        let len = self.buf.len() - at;
-        if len > MAX_FRAME {
-            self.buf.truncate(start);
-            return Err(Error::TooLarge {
-                len: len as u64,
-                max: MAX_FRAME as u64,
-            });
-        }
-        if let Err(e) = self.key.seal(self.seq, &mut self.buf, at) {
-            self.buf.truncate(start);
-            return Err(e);
-        }
-        self.seq += 1;
-        let framed = (self.buf.len() - at) as u32;
-        self.buf[start..at].copy_from_slice(&framed.to_be_bytes());
-        if self.buf.len() + self.outside_len >= SEND_QUEUE {
-            self.flush().await?;
-        }
-        Ok(())
+        self.queue_frame(fill, None)?;
+        self.flush_if_full().await
     }
 
     /// Queues one request frame. A write's block data is not copied into
@@ -416,22 +392,45 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
     /// the queue, so their data is copied there. The bytes on the wire are
     /// the same either way.
     pub async fn send_req(&mut self, req: &ReqFrame) -> Result<()> {
-        let (k, data) = match (&self.key, req.write_data()) {
-            (FrameKey::Summed(k), Some(data)) if data.len() >= OUTSIDE_MIN => (*k, data),
-            _ => {
-                return self
-                    .send_with(|b| {
-                        req.encode_into(b);
+        match (&self.key, req.write_data()) {
+            (FrameKey::Summed(_), Some(data)) if data.len() >= OUTSIDE_MIN => {
+                self.queue_frame(
+                    |b| {
+                        req.encode_head_into(b);
                         Ok(())
-                    })
-                    .await;
+                    },
+                    Some(data),
+                )?;
             }
-        };
+            _ => self.queue_frame(
+                |b| {
+                    req.encode_into(b);
+                    Ok(())
+                },
+                None,
+            )?,
+        }
+        self.flush_if_full().await
+    }
+
+    /// Appends one frame to the queue: `fill` writes its payload, followed
+    /// by `outside` (only on checksummed links), which stays in its own
+    /// buffer. If `fill` fails or the payload is too large, nothing is
+    /// queued.
+    fn queue_frame(
+        &mut self,
+        fill: impl FnOnce(&mut FrameBuf) -> Result<()>,
+        outside: Option<&Bytes>,
+    ) -> Result<()> {
         let start = self.buf.len();
         self.buf.extend_from_slice(&[0u8; 4]);
         let at = self.buf.len();
-        req.encode_head_into(&mut self.buf);
-        let len = self.buf.len() - at + data.len();
+        if let Err(e) = fill(&mut self.buf) {
+            self.buf.truncate(start);
+            return Err(e);
+        }
+        let extra = outside.map_or(0, Bytes::len);
+        let len = self.buf.len() - at + extra;
         if len > MAX_FRAME {
             self.buf.truncate(start);
             return Err(Error::TooLarge {
@@ -439,15 +438,34 @@ impl<W: AsyncWrite + Unpin> FrameWriter<W> {
                 max: MAX_FRAME as u64,
             });
         }
-        let mut sum = xxhash_rust::xxh3::Xxh3::with_seed(FrameKey::sum_seed(k, self.seq));
-        sum.update(&self.buf[at..]);
-        sum.update(data);
-        self.outside.push((self.buf.len(), data.clone()));
-        self.outside_len += data.len();
-        self.buf.extend_from_slice(&sum.digest().to_le_bytes());
+        let sealed = match (outside, &self.key) {
+            (Some(data), FrameKey::Summed(k)) => {
+                let seed = FrameKey::sum_seed(*k, self.seq);
+                let mut sum = xxhash_rust::xxh3::Xxh3::with_seed(seed);
+                sum.update(&self.buf[at..]);
+                sum.update(data);
+                self.outside.push((self.buf.len(), data.clone()));
+                self.outside_len += data.len();
+                self.buf.extend_from_slice(&sum.digest().to_le_bytes());
+                Ok(())
+            }
+            (Some(_), FrameKey::Sealed(_)) => {
+                Err(Error::Auth("outside payload on an encrypted link".into()))
+            }
+            (None, _) => self.key.seal(self.seq, &mut self.buf, at),
+        };
+        if let Err(e) = sealed {
+            self.buf.truncate(start);
+            return Err(e);
+        }
         self.seq += 1;
-        let framed = (len + SUM_TAG) as u32;
+        let framed = (self.buf.len() - at + extra) as u32;
         self.buf[start..at].copy_from_slice(&framed.to_be_bytes());
+        Ok(())
+    }
+
+    /// Writes the queue out once it holds [`SEND_QUEUE`] bytes.
+    async fn flush_if_full(&mut self) -> Result<()> {
         if self.buf.len() + self.outside_len >= SEND_QUEUE {
             self.flush().await?;
         }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use cluster_common::*;
 use serde_json::Value;
-use sheaf_orchestrator::resources::kubevirt::StateChangeRequest;
+use sheaf_orchestrator::resources::kubevirt::{StateChangeRequest, VmiPhase};
 use sheaf_orchestrator::resources::{
     RunStrategy, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration, Volume,
 };
@@ -272,15 +272,26 @@ async fn cold_migration_and_agent_restart() {
         .epoch
         .unwrap();
 
-    // Agent restart: the launcher keeps running and is adopted.
+    // Agent restarts: the launcher keeps running and is adopted. Several
+    // rounds, each given time for the new agent's first pass, because that
+    // pass once raced the adoption and failed the instance as "launcher lost".
     let pid = cluster.agent(&src).unwrap().launchers()[0].pid.unwrap();
-    cluster.stop_agent(&src).unwrap();
-    cluster.restart_node(&src).await.unwrap();
-    let adopted = cluster.agent(&src).unwrap().launchers();
-    assert_eq!(adopted.len(), 1);
-    assert_eq!(adopted[0].pid, Some(pid), "same launcher process");
-    let v: VirtualMachineInstance = store.get_typed("default", "mover").await.unwrap();
-    assert_eq!(v.metadata.uid.as_deref(), Some(uid.as_str()));
+    for round in 0..3 {
+        cluster.stop_agent(&src).unwrap();
+        cluster.restart_node(&src).await.unwrap();
+        let adopted = cluster.agent(&src).unwrap().launchers();
+        assert_eq!(adopted.len(), 1, "round {round}");
+        assert_eq!(adopted[0].pid, Some(pid), "same launcher process");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let v: VirtualMachineInstance = store.get_typed("default", "mover").await.unwrap();
+        assert_eq!(
+            v.metadata.uid.as_deref(),
+            Some(uid.as_str()),
+            "round {round}"
+        );
+        let ph = v.status.as_ref().and_then(|s| s.phase);
+        assert_eq!(ph, Some(VmiPhase::Running), "round {round}: {v:?}");
+    }
 
     // Cold migration through the adopted launcher's control socket.
     let mig: VirtualMachineInstanceMigration = decode_yaml(

@@ -255,10 +255,12 @@ pub(crate) fn cleanup(shared: &Shared, uid: &str) {
     }
 }
 
-/// Adopts the launchers of a previous agent on this data directory.
-pub(crate) fn adopt(shared: &Arc<Shared>) {
+/// Adopts the launchers of a previous agent on this data directory and
+/// returns their instances (to be woken once the instance queue exists).
+pub(crate) fn adopt(shared: &Arc<Shared>) -> Vec<ObjectKey> {
+    let mut adopted = Vec::new();
     let Ok(rd) = std::fs::read_dir(shared.launchers_dir()) else {
-        return;
+        return adopted;
     };
     for ent in rd.flatten() {
         let dir = ent.path();
@@ -295,5 +297,7 @@ pub(crate) fn adopt(shared: &Arc<Shared>) {
             pid,
         ));
         shared.wake(&key);
+        adopted.push(key);
     }
+    adopted
 }

@@ -202,6 +202,10 @@ impl NodeAgent {
         let identity = uuid::Uuid::new_v4().to_string();
         heartbeat_once(&shared, &identity).await?;
         replicas::adopt(&shared);
+        // Launchers are adopted before the instance controller starts: its
+        // first pass must find them, or it would report a running instance
+        // whose launcher survived as "launcher lost".
+        let adopted = launchers::adopt(&shared);
         let name = config.node_name.clone();
         let mine = WatchOptions {
             fields: FieldSelector::parse(&format!("status.nodeName={name}"))
@@ -220,7 +224,9 @@ impl NodeAgent {
         .workers(config.workers)
         .spawn(vmi_rec);
         let _ = shared.vmi_queue.set(vmi_ctl.queue().clone());
-        launchers::adopt(&shared);
+        for key in &adopted {
+            shared.wake(key);
+        }
         let rep_ctl =
             ControllerBuilder::new("agent-replicas", store.clone(), GroupKind::of::<Volume>())
                 .resync(Duration::from_secs(10))

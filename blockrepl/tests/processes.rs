@@ -23,6 +23,8 @@ struct Replica {
     dir: PathBuf,
     addr: SocketAddr,
     secret: PathBuf,
+    /// Volume size in blocks.
+    blocks: u64,
     child: Option<Child>,
 }
 
@@ -36,7 +38,7 @@ impl Replica {
             .arg("--secret-file")
             .arg(&self.secret)
             .arg("--create-size")
-            .arg((BLOCKS * 4096).to_string())
+            .arg((self.blocks * 4096).to_string())
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -96,6 +98,7 @@ async fn kill_and_stop_replica_processes_mid_write() {
             dir: tmp.path().join(format!("r{i}")),
             addr: free_addr(),
             secret: secret_path.clone(),
+            blocks: BLOCKS,
             child: None,
         })
         .collect();
@@ -240,4 +243,149 @@ async fn kill_and_stop_replica_processes_mid_write() {
     for r in &reps[1..] {
         assert!(image(&r.dir) == a, "replica {} differs", r.dir.display());
     }
+}
+
+/// Bytes allocated to the files of a store directory.
+fn allocated(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().map_or(0, |m| m.blocks() * 512))
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_replica_processes_give_overwritten_space_back() {
+    // Three `sheaf-replica` processes, a 16 MiB volume overwritten four
+    // times with 1 MiB writes: each copy lands in new extent blocks, and
+    // the old ones are free only after a checkpoint. The engine stays
+    // attached, renewing its read leases, but sends no I/O: each replica
+    // sees it is idle, checkpoints and punches the free blocks.
+    const MIB: u64 = 1 << 20;
+    const SIZE: u64 = 16 * MIB;
+    let tmp = tempfile::tempdir().unwrap();
+    let secret_path = tmp.path().join("secret");
+    std::fs::write(&secret_path, b"a test secret of enough bytes\n").unwrap();
+    let mut reps: Vec<Replica> = (0..3)
+        .map(|i| Replica {
+            dir: tmp.path().join(format!("r{i}")),
+            addr: free_addr(),
+            secret: secret_path.clone(),
+            blocks: SIZE / 4096,
+            child: None,
+        })
+        .collect();
+    for r in &mut reps {
+        r.start();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let secret = Secret::from_file(&secret_path).unwrap();
+    let addrs: Vec<SocketAddr> = reps.iter().map(|r| r.addr).collect();
+    let vol = Volume::attach(VolumeConfig::remote(&addrs, secret))
+        .await
+        .unwrap();
+    let chunk = |pass: u64, i: u64| Bytes::from(vec![(pass * 16 + i) as u8; MIB as usize]);
+    for pass in 0..4 {
+        for i in 0..SIZE / MIB {
+            vol.write(i * MIB, chunk(pass, i)).await.unwrap();
+        }
+        vol.flush().await.unwrap();
+    }
+    // Live data 16 MiB; the replaced copies are still allocated.
+    for r in &reps {
+        let a = allocated(&r.dir);
+        assert!(a > SIZE + 16 * MIB, "{}: {a} allocated", r.dir.display());
+    }
+    // Live data, metadata (128 KiB), superblock, WAL headers.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for r in &reps {
+        loop {
+            let a = allocated(&r.dir);
+            if a <= SIZE + MIB {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: still {a} allocated",
+                r.dir.display()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    // Nothing was lost, through the engine and after a restart.
+    let check = |got: Bytes| {
+        for i in 0..SIZE / MIB {
+            let want = chunk(3, i);
+            assert!(
+                got[(i * MIB) as usize..][..MIB as usize] == want[..],
+                "MiB {i}"
+            );
+        }
+    };
+    check(vol.read(0, SIZE as usize).await.unwrap());
+    vol.detach().await.unwrap();
+    for r in &mut reps {
+        r.kill9();
+        r.start();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let secret = Secret::from_file(&secret_path).unwrap();
+    let vol = Volume::attach(VolumeConfig::remote(&addrs, secret))
+        .await
+        .unwrap();
+    check(vol.read(0, SIZE as usize).await.unwrap());
+    vol.detach().await.unwrap();
+}
+
+#[test]
+fn blockd_detaches_its_volume_on_sigterm() {
+    // `sheaf-blockd` serving a local volume over NBD, stopped the way
+    // service managers stop it: its store is closed cleanly (checkpointed,
+    // marked closed), not left for crash recovery.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("vol");
+    let sock = tmp.path().join("nbd.sock");
+    let st = Command::new(env!("CARGO_BIN_EXE_sheaf-blockd"))
+        .arg("create")
+        .arg("--dir")
+        .arg(&dir)
+        .arg("--size")
+        .arg((1u64 << 20).to_string())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sheaf-blockd"))
+        .arg("nbd")
+        .arg("--unix")
+        .arg(&sock)
+        .arg("--export")
+        .arg(format!("vol={}", dir.display()))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !sock.exists() {
+        assert!(Instant::now() < deadline, "no NBD socket");
+        assert!(child.try_wait().unwrap().is_none(), "sheaf-blockd exited");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Attached now: the superblock records it (`Store::is_marked_open`).
+    // SAFETY: kill(2) with the pid of a child we spawned and still own.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "sheaf-blockd ignored SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(status.success(), "{status}: {err}");
+    assert!(err.contains("terminated"), "{err}");
+    let s = Store::open(Box::new(StdDir::new(&dir).unwrap())).unwrap();
+    assert!(!s.is_marked_open(), "store left open: {err}");
 }

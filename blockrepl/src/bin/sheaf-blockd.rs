@@ -225,15 +225,25 @@ async fn run_nbd(a: NbdArgs) -> anyhow::Result<()> {
         let s = server.clone();
         tasks.spawn(async move { s.serve_tcp(l).await });
     }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("SIGTERM handler")?;
     tokio::select! {
         r = tasks.join_next() => {
             if let Some(r) = r { r??; }
         }
         _ = tokio::signal::ctrl_c() => eprintln!("sheaf-blockd: interrupted"),
+        _ = term.recv() => eprintln!("sheaf-blockd: terminated"),
     }
+    // Detach every volume: its replicas checkpoint and close their
+    // stores, so the next attach replays nothing.
+    tasks.abort_all();
     for name in server.export_names() {
         if let Some(e) = server.remove_export(&name) {
-            e.disk.flush().await.ok();
+            let vol = e.disk.volume().clone();
+            drop(e);
+            if let Err(err) = vol.detach().await {
+                eprintln!("sheaf-blockd: detaching export {name}: {err}");
+            }
         }
     }
     Ok(())

@@ -12,6 +12,7 @@
 //! batch is read with one syscall and answered with one.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -35,12 +36,25 @@ struct Job {
     tag: usize,
 }
 
+/// How long a replica sees no request before its store is told it is
+/// idle ([`ReplicaCore::idle`]), and how often it is told again while
+/// that lasts.
+pub const IDLE_AFTER: Duration = Duration::from_secs(1);
+
 /// Handle to a replica's store: the core behind a mutex, and a thread
-/// that applies queued requests of in-process engines.
+/// that applies queued requests of in-process engines and, while no
+/// request arrives, lets the store give space back.
 #[derive(Clone)]
 pub struct ReplicaThread {
     tx: std_mpsc::Sender<Job>,
-    core: Arc<Mutex<ReplicaCore>>,
+    core: Arc<Core>,
+}
+
+/// The core, and when it last handled a request.
+struct Core {
+    core: Mutex<ReplicaCore>,
+    /// [`crate::net::mono_us`] after the last request.
+    last_us: AtomicU64,
 }
 
 /// Whether a request only touches the page cache (no file sync): reads,
@@ -67,10 +81,11 @@ impl std::fmt::Debug for ReplicaThread {
 
 /// Applies one request under the core's lock. A poisoned lock (a handler
 /// panicked half-way) is never used again: the request gets a fault answer.
-fn apply(core: &Mutex<ReplicaCore>, frame: ReqFrame) -> RespFrame {
-    let resp = match core.lock() {
+fn apply(core: &Core, frame: ReqFrame) -> RespFrame {
+    let resp = match core.core.lock() {
         Ok(mut c) => {
-            c.set_time(crate::net::mono_us());
+            let now = core.note(&frame.req);
+            c.set_time(now);
             c.handle(frame.req)
         }
         Err(_) => Response::Refused(Refusal::Faulted),
@@ -80,10 +95,11 @@ fn apply(core: &Mutex<ReplicaCore>, frame: ReqFrame) -> RespFrame {
 
 /// [`apply`], with the answer encoded into `out`. A read is answered
 /// in place: its blocks are read from the store into `out`.
-fn apply_into(core: &Mutex<ReplicaCore>, frame: ReqFrame, out: &mut FrameBuf) {
-    match core.lock() {
+fn apply_into(core: &Core, frame: ReqFrame, out: &mut FrameBuf) {
+    match core.core.lock() {
         Ok(mut c) => {
-            c.set_time(crate::net::mono_us());
+            let now = core.note(&frame.req);
+            c.set_time(now);
             c.handle_into(frame.id, frame.req, out);
         }
         Err(_) => RespFrame {
@@ -91,6 +107,34 @@ fn apply_into(core: &Mutex<ReplicaCore>, frame: ReqFrame, out: &mut FrameBuf) {
             resp: Response::Refused(Refusal::Faulted),
         }
         .encode_into(out),
+    }
+}
+
+impl Core {
+    /// The time now; notes it as the last request's unless `req` is one
+    /// an engine sends to an idle volume too (lease renewals run on every
+    /// engine tick, pings and probes check a link).
+    fn note(&self, req: &Request) -> u64 {
+        let now = crate::net::mono_us();
+        if !matches!(
+            req,
+            Request::Ping { .. } | Request::Lease { .. } | Request::Probe
+        ) {
+            self.last_us.store(now, Ordering::Relaxed);
+        }
+        now
+    }
+
+    /// Tells the store it is idle if no request came for [`IDLE_AFTER`].
+    fn tick_idle(&self) {
+        let idle_us = IDLE_AFTER.as_micros() as u64;
+        let since = crate::net::mono_us().saturating_sub(self.last_us.load(Ordering::Relaxed));
+        if since < idle_us {
+            return;
+        }
+        if let Ok(mut c) = self.core.lock() {
+            c.idle();
+        }
     }
 }
 
@@ -104,14 +148,25 @@ impl ReplicaThread {
     /// Starts the thread; it ends when every handle is dropped.
     pub fn spawn(core: ReplicaCore, name: &str) -> Result<ReplicaThread> {
         let (tx, rx) = std_mpsc::channel::<Job>();
-        let core = Arc::new(Mutex::new(core));
+        let core = Arc::new(Core {
+            core: Mutex::new(core),
+            last_us: AtomicU64::new(crate::net::mono_us()),
+        });
         let shared = core.clone();
         std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    let resp = apply(&shared, job.frame);
-                    let _ = job.reply.send((job.tag, resp));
+                loop {
+                    match rx.recv_timeout(IDLE_AFTER) {
+                        Ok(job) => {
+                            let resp = apply(&shared, job.frame);
+                            let _ = job.reply.send((job.tag, resp));
+                        }
+                        // Network connections apply their requests in
+                        // their own tasks: the time of the last one tells.
+                        Err(std_mpsc::RecvTimeoutError::Timeout) => shared.tick_idle(),
+                        Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                    }
                 }
                 debug!("replica thread exiting");
             })

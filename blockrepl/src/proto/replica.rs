@@ -145,6 +145,18 @@ impl ReplicaCore {
         self.store.as_mut()
     }
 
+    /// No request came for a while (the driver calls it again about once
+    /// a second while that lasts): the store gives back the space of
+    /// overwritten and trimmed blocks ([`Store::idle`]). A store error
+    /// faults the replica, as one on a request does.
+    pub fn idle(&mut self) {
+        if let Some(s) = self.store.as_mut()
+            && let Err(e) = s.idle()
+        {
+            let _ = self.fault(&e);
+        }
+    }
+
     fn fault(&mut self, e: &Error) -> Response {
         warn!(error = %e, "replica faulted; store will be reopened on next attach");
         self.store = None;

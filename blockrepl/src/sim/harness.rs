@@ -659,6 +659,12 @@ impl Sim {
                     // An error leaves the job for the next operation,
                     // which reports it.
                     let _ = s.poll_checkpoint();
+                } else if h >> 61 == 1 {
+                    // As if the replica had seen no request for a while
+                    // (the real driver's idle tick): seals the WAL,
+                    // finishes its checkpoint, punches free extent runs.
+                    // An error faults the replica.
+                    core.idle();
                 }
                 if let Some(req) = brief {
                     tracing::trace!(

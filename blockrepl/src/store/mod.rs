@@ -241,11 +241,10 @@ impl Layer {
 
     /// Takes the free runs beyond the first `keep` free blocks out of the
     /// allocator for a punch (the highest ones, so the allocator's first
-    /// fit keeps using the lowest and the file's tail can be cut). Runs
-    /// shorter than `min_run` blocks are left alone, and at most `max_runs`
-    /// runs are taken (see [`PUNCH_MAX_RUNS`]). Returns them as
+    /// fit keeps using the lowest and the file's tail can be cut). At most
+    /// `max_runs` runs are taken (see [`PUNCH_MAX_RUNS`]). Returns them as
     /// `(first block, blocks)`.
-    fn ext_take_for_punch(&mut self, keep: u32, min_run: u32, max_runs: usize) -> Vec<(u32, u32)> {
+    fn ext_take_for_punch(&mut self, keep: u32, max_runs: usize) -> Vec<(u32, u32)> {
         let mut total = self.ext_pool();
         let mut out = Vec::new();
         let mut below = u32::MAX;
@@ -254,9 +253,6 @@ impl Layer {
                 break;
             };
             below = s;
-            if l < min_run {
-                continue;
-            }
             let cut = l.min(total - keep);
             self.ext_free.remove(&s);
             if cut < l {
@@ -488,17 +484,10 @@ impl CheckpointJob {
 }
 
 /// Most runs one background [`PunchJob`] punches (the rest wait for the
-/// next one): bounds the time writes can wait behind punches. The job a
-/// seal starts also leaves runs shorter than the store's extent threshold
-/// (the smallest write that goes to an extent file, [`EXTENT_MIN_BLOCKS`]
-/// by default) alone: small random overwrites of extent blocks free them
-/// one by one, and punching thousands of scattered blocks per checkpoint
-/// cost a replica seconds of `fallocate` per 10 s of 1 MiB writes that
-/// followed 4k random writes (13,032 calls at 152 µs, each holding the
-/// extent file's inode lock against the writes; 3 replicas, 1M write 292
-/// → 217 MB/s, p99 72 → 184 ms). Those runs are given back by synchronous
-/// checkpoints (open, close, snapshots, rebuild) and [`Store::idle`],
-/// which punch every run.
+/// next [`Store::idle`] call): bounds the time a write that arrives after
+/// the volume went idle can wait behind punches (`fallocate` holds the
+/// extent file's inode lock; 152 µs per call measured on this project's
+/// machine).
 pub const PUNCH_MAX_RUNS: usize = 1024;
 
 /// Punches of the free extent runs beyond the pools, started when a
@@ -942,7 +931,7 @@ impl Store {
     /// replayable WAL record refers to them, so they may be punched at any
     /// point; held back until the punches have finished, they cannot be
     /// reallocated under the punch.
-    fn plan_ext_punches(&mut self, pool: u32, min_run: u32, max_runs: usize) -> Vec<JobOp> {
+    fn plan_ext_punches(&mut self, pool: u32, max_runs: usize) -> Vec<JobOp> {
         let head = self.layers.len().saturating_sub(1);
         let mut ops = Vec::new();
         for (li, l) in self.layers.iter_mut().enumerate() {
@@ -950,7 +939,7 @@ impl Store {
                 continue;
             };
             let keep = if li == head { pool } else { 0 };
-            for (start, len) in l.ext_take_for_punch(keep, min_run, max_runs) {
+            for (start, len) in l.ext_take_for_punch(keep, max_runs) {
                 ops.push(JobOp::PunchExt {
                     file: file.clone(),
                     off: u64::from(start) * BLOCK_SIZE_U64,
@@ -966,7 +955,7 @@ impl Store {
     /// checkpoints and open: no job in flight). Failures only leak space.
     fn reclaim_ext_now(&mut self) {
         debug_assert!(self.sealed.is_none() && self.punch_job.is_none());
-        run_ext_punches(&self.plan_ext_punches(self.extent_pool(), 1, usize::MAX));
+        run_ext_punches(&self.plan_ext_punches(self.extent_pool(), usize::MAX));
         for l in &mut self.layers {
             l.ext_punch_done(true);
             if let Err(e) = l.ext_trim_tail() {
@@ -1434,11 +1423,11 @@ impl Store {
         Ok(())
     }
 
-    /// Starts punching the free extent runs beyond the pools (on a
+    /// Starts punching every free extent run, the pools' too (on a
     /// thread, or deferred like checkpoint jobs).
-    fn start_punch_job(&mut self, pool: u32, min_run: u32) {
+    fn start_punch_job(&mut self) {
         debug_assert!(self.punch_job.is_none());
-        let ops = self.plan_ext_punches(pool, min_run, PUNCH_MAX_RUNS);
+        let ops = self.plan_ext_punches(0, PUNCH_MAX_RUNS);
         if ops.is_empty() {
             return;
         }
@@ -1509,12 +1498,13 @@ impl Store {
     /// again while that lasts, e.g. every second). Gives the space of
     /// overwritten and trimmed blocks back without waiting for the next
     /// WAL limit: the first call seals the WAL if it holds records (its
-    /// checkpoint runs off the store thread, like at the limit), later
-    /// calls finish that checkpoint and its punches, and once nothing is
-    /// outstanding and nothing was written since, also punch the free
-    /// extent blocks the pool kept for a stream of large writes. Never
-    /// waits for I/O in flight; safe at any time (it only does what the
-    /// write path does at its limit).
+    /// checkpoint runs off the store thread, like at the limit; its job
+    /// punches the data-file copies it replaced), later calls finish that
+    /// checkpoint, and once nothing is outstanding and nothing was written
+    /// since, punch the free extent blocks: those checkpoints freed and
+    /// kept for the next large writes (checkpoints under a stream of
+    /// writes never punch them). Never waits for I/O in flight; safe at
+    /// any time (it only does what the write path does at its limit).
     pub fn idle(&mut self) -> Result<()> {
         self.poll_checkpoint()?;
         if self.sealed.is_some() || self.punch_job.is_some() {
@@ -1524,8 +1514,8 @@ impl Store {
             return self.seal();
         }
         if self.layers.iter().any(|l| l.ext_pool() > 0) {
-            // Every run, small ones too (up to PUNCH_MAX_RUNS per call).
-            self.start_punch_job(0, 1);
+            // Up to PUNCH_MAX_RUNS runs per call.
+            self.start_punch_job();
         }
         Ok(())
     }
@@ -1574,18 +1564,15 @@ impl Store {
             return Err(e);
         }
         self.point_to_layers(&s.dirty, Some(s.file));
+        // The extent blocks it freed stay allocated, for the next large
+        // writes: punching them here, under a stream of writes, made those
+        // writes land in fresh holes (file system allocation on the write
+        // path, and `fallocate` holding the extent file's inode lock) and
+        // cost a third of 1 MiB write throughput after random 4 KiB writes.
+        // They are punched when the volume goes idle ([`Store::idle`]), at
+        // synchronous checkpoints and at open. The data-file copies this
+        // checkpoint replaced were punched by its job.
         self.release_ext();
-        // Give back what it freed now, off the write path. One set of
-        // held runs at a time: if the previous punches are still running
-        // (never waited for here), the next finish punches these.
-        let punching = self
-            .punch_job
-            .as_ref()
-            .is_some_and(|p| p.running.as_ref().is_some_and(|h| !h.is_finished()));
-        if !punching {
-            self.finish_punch_job();
-            self.start_punch_job(self.extent_pool(), self.extent_min_blocks);
-        }
         // The sealed file keeps its length and blocks: the generation after
         // next overwrites it from offset 0 (pages still cached and
         // allocated, no truncate, no zeroing of new pages). What stays past
@@ -1672,6 +1659,13 @@ impl Store {
         self.settle_for_attach()?;
         self.sb.open = true;
         self.write_sb()
+    }
+
+    /// Whether the superblock records an attached engine: true from an
+    /// attach until a clean [`Store::close`] (an engine's detach), so a
+    /// store opened with it false was shut down cleanly.
+    pub fn is_marked_open(&self) -> bool {
+        self.sb.open
     }
 
     /// Clean detach: checkpoints and records that nothing acknowledged is

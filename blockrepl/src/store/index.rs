@@ -214,6 +214,14 @@ impl<E: Copy> BlockIndex<E> {
             .flat_map(|(&c, chunk)| chunk.slots().map(move |i| c * CHUNK_BLOCKS + i as u64))
     }
 
+    /// Addresses held in `[start, end)`, ascending.
+    pub(crate) fn keys_in(&self, start: u64, end: u64) -> impl Iterator<Item = u64> + '_ {
+        self.chunks
+            .range(start / CHUNK_BLOCKS..end.div_ceil(CHUNK_BLOCKS))
+            .flat_map(|(&c, chunk)| chunk.slots().map(move |i| c * CHUNK_BLOCKS + i as u64))
+            .filter(move |&b| b >= start && b < end)
+    }
+
     /// Drops every block at or past `end`.
     pub(crate) fn truncate(&mut self, end: u64) {
         let (c, s) = split(end);

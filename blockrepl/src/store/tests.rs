@@ -1759,6 +1759,10 @@ fn a_block_written_small_then_large_leaves_the_layer_data_file() {
             s.flush().unwrap();
             assert!(s.checkpoint_pending());
             s.settle().unwrap();
+            // Under a write stream the old copy stays; the volume going
+            // idle gives it back.
+            assert_eq!(allocated(&data), 2 * BLOCK_SIZE as u64);
+            idle_until(&mut s, || allocated(&data) == BLOCK_SIZE as u64);
         } else {
             s.flush().unwrap();
             s.checkpoint().unwrap();
@@ -1774,6 +1778,67 @@ fn a_block_written_small_then_large_leaves_the_layer_data_file() {
         drop(s);
         let s = Store::open(mk()).unwrap();
         check(&s);
+    }
+}
+
+/// Calls [`Store::idle`] (punches run on a thread) until `done`.
+fn idle_until(s: &mut Store, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "idle never got there");
+        s.idle().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn data_file_copies_left_by_a_killed_store_are_given_back_when_idle() {
+    // Blocks move from the data file to the extent file under a stream of
+    // seals (their data-file punches wait for idle), then the process is
+    // killed: the reopened store does not know which copies are stale, so
+    // it treats every block not kept in the data file as a candidate.
+    let dir = tempfile::tempdir().unwrap();
+    let mk = || Box::new(disk::StdDir::new(dir.path()).unwrap());
+    let data = dir.path().join("layer-1.data");
+    let mut s = Store::create(mk(), 256, ReplicaState::Clean).unwrap();
+    s.mark_open().unwrap();
+    let mut t = 0;
+    for lba in 0..128 {
+        t += 1;
+        s.write(Tag::new(1, t), lba, 1, Some(&blk(lba as u8)))
+            .unwrap();
+    }
+    s.flush().unwrap();
+    s.checkpoint().unwrap();
+    assert_eq!(allocated(&data), 128 * BLOCK_SIZE as u64);
+    s.set_checkpoint_bytes(1);
+    let n = EXTENT_MIN_BLOCKS;
+    for lba in (0..64).step_by(n as usize) {
+        t += 1;
+        s.write(Tag::new(1, t), lba, n, Some(&blks(200, n)))
+            .unwrap();
+        s.flush().unwrap();
+    }
+    s.settle().unwrap();
+    assert_eq!(allocated(&data), 128 * BLOCK_SIZE as u64, "punches wait");
+    drop(s); // killed: no close, the superblock still says open
+    let mut s = Store::open(mk()).unwrap();
+    assert_eq!(allocated(&data), 128 * BLOCK_SIZE as u64);
+    idle_until(&mut s, || allocated(&data) == 64 * BLOCK_SIZE as u64);
+    let mut out = vec![0u8; 256 * BLOCK_SIZE];
+    assert!(s.read(0, 256, &mut out).unwrap().is_empty());
+    for lba in 0..256usize {
+        let want = match lba {
+            0..64 => 200u8.wrapping_add((lba % n as usize) as u8),
+            64..128 => lba as u8,
+            _ => 0,
+        };
+        assert!(
+            out[lba * BLOCK_SIZE..][..BLOCK_SIZE]
+                .iter()
+                .all(|&x| x == want),
+            "block {lba}"
+        );
     }
 }
 

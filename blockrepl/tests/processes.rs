@@ -389,3 +389,55 @@ fn blockd_detaches_its_volume_on_sigterm() {
     let s = Store::open(Box::new(StdDir::new(&dir).unwrap())).unwrap();
     assert!(!s.is_marked_open(), "store left open: {err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_closes_its_store_on_sigterm() {
+    // A replica process stopped with SIGTERM while an engine is attached:
+    // its store is checkpointed and marked closed (the next start is no
+    // crash recovery), and every acknowledged write is in it.
+    let tmp = tempfile::tempdir().unwrap();
+    let secret_path = tmp.path().join("secret");
+    std::fs::write(&secret_path, b"a test secret of enough bytes\n").unwrap();
+    let mut r = Replica {
+        dir: tmp.path().join("r0"),
+        addr: free_addr(),
+        secret: secret_path.clone(),
+        blocks: BLOCKS,
+        child: None,
+    };
+    r.start();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let secret = Secret::from_file(&secret_path).unwrap();
+    let vol = Volume::attach(VolumeConfig::remote(&[r.addr], secret))
+        .await
+        .unwrap();
+    for lba in 0..BLOCKS {
+        vol.write(lba * 4096, Bytes::from(vec![lba as u8 ^ 0x5a; 4096]))
+            .await
+            .unwrap();
+    }
+    vol.flush().await.unwrap();
+    r.signal(libc::SIGTERM);
+    let mut child = r.child.take().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "sheaf-replica ignored SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status}");
+    let s = Store::open(Box::new(StdDir::new(&r.dir).unwrap())).unwrap();
+    assert!(!s.is_marked_open(), "store left open");
+    let mut out = vec![0u8; BLOCKS as usize * 4096];
+    assert!(s.read(0, BLOCKS as u32, &mut out).unwrap().is_empty());
+    for lba in 0..BLOCKS as usize {
+        assert!(
+            out[lba * 4096..][..4096]
+                .iter()
+                .all(|&x| x == lba as u8 ^ 0x5a)
+        );
+    }
+    drop(vol);
+}

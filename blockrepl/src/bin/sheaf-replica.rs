@@ -93,7 +93,16 @@ fn main() -> anyhow::Result<()> {
             .await
             .with_context(|| format!("listen on {}", args.listen))?;
         eprintln!("sheaf-replica listening on {}", listener.local_addr()?);
-        serve(listener, secret, replica).await?;
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("SIGTERM handler")?;
+        tokio::select! {
+            r = serve(listener, secret, replica.clone()) => r?,
+            _ = tokio::signal::ctrl_c() => eprintln!("sheaf-replica: interrupted"),
+            _ = term.recv() => eprintln!("sheaf-replica: terminated"),
+        }
+        // Checkpoint and close the store (later requests are refused), so
+        // the next start is not a crash recovery.
+        replica.shutdown().context("closing the store")?;
         Ok(())
     })
 }

@@ -211,6 +211,15 @@ impl ReplicaThread {
         }
     }
 
+    /// Closes the store for a process exit ([`ReplicaCore::shutdown`]);
+    /// requests after it are refused.
+    pub fn shutdown(&self) -> Result<()> {
+        match self.core.core.lock() {
+            Ok(mut c) => c.shutdown(),
+            Err(_) => Err(Error::Replica("replica state poisoned by a panic".into())),
+        }
+    }
+
     /// Queues a request; the response goes to `reply` tagged with `tag`.
     /// Returns false if the thread is gone.
     pub fn submit(&self, frame: ReqFrame, reply: ReplySink, tag: usize) -> bool {

@@ -157,6 +157,19 @@ impl ReplicaCore {
         }
     }
 
+    /// The replica process is stopping (SIGTERM): checkpoints and closes
+    /// the store as a detach does, and serves nobody from then on (every
+    /// later request is refused as faulted). Nothing acknowledged is lost
+    /// and the next open is not a crash recovery.
+    pub fn shutdown(&mut self) -> crate::Result<()> {
+        self.attached = false;
+        self.session = None;
+        match self.store.take() {
+            Some(mut s) => s.close(),
+            None => Ok(()),
+        }
+    }
+
     fn fault(&mut self, e: &Error) -> Response {
         warn!(error = %e, "replica faulted; store will be reopened on next attach");
         self.store = None;

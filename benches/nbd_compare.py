@@ -225,8 +225,20 @@ def main():
             for t in TARGETS:
                 log(f"filling {t}")
                 fio(servers.uris[t], "write", "1M", 8, size)
-            for name, rw, bs, qd in WORKLOADS:
-                for t in TARGETS:
+            for i, (name, rw, bs, qd) in enumerate(WORKLOADS):
+                # Targets measured later in a workload were slower on this
+                # VM whatever their code (2026-12-05: the same binaries lost
+                # 20-50 % on 4k random writes measured after the others):
+                # with --baseline-bindir, every other workload measures the
+                # new binaries first.
+                order = list(TARGETS)
+                if args.baseline_bindir and i % 2 == 1:
+                    order = [TARGETS[0]] + [t for t in TARGETS[1:] if not t.endswith(BEFORE)] \
+                        + [t for t in TARGETS[1:] if t.endswith(BEFORE)]
+                for t in order:
+                    # The previous target's dirty pages are written back
+                    # before, not during, this measurement.
+                    os.sync()
                     l0 = load()
                     r = fio(servers.uris[t], rw, bs, qd, size, args.runtime)
                     r["load"] = (l0 + load()) / 2
@@ -333,6 +345,7 @@ def write_docs(table, goals, png, args):
         "",
         f"`benches/nbd_compare.py` ({when}; {os.cpu_count()} cores shared with other work; "
         f"{fio_v}, {qemu_v}; {args.runtime} s per workload and target after 1 s ramp, "
+        "`sync` before each, "
         f"{args.size_mib} MiB exports filled first, fio `--ioengine=nbd` over unix sockets). "
         "Reference: qemu-nbd with its defaults (cache=writeback, aio=threads) over a raw file "
         "on the same filesystem. sheaf 3 replicas: three `sheaf-replica` processes on "
@@ -340,7 +353,10 @@ def write_docs(table, goals, png, args):
         "load average during the run: numbers from a loaded machine are noisy, compare "
         "ratios within one run."
         + (" Targets marked \"(before)\" run the binaries of `--baseline-bindir` "
-           "(the code before the change being measured) in the same run."
+           "(the code before the change being measured) in the same run; the new "
+           "binaries are measured first in every other workload (the 2nd, 4th, 6th), "
+           "the old ones first in the others, as targets measured later in a workload "
+           "were slower on this machine whatever their code."
            if args.baseline_bindir else ""),
         "",
     ]

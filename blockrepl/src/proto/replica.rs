@@ -34,6 +34,8 @@ pub struct ReplicaCore {
     attached: bool,
     /// Read leases (docs/blockrepl.md "Read leases").
     lease: LeaseState,
+    /// [`ReplicaCore::shutdown`] ran: the store stays closed.
+    stopped: bool,
 }
 
 /// Longest read lease a replica grants by default (µs), and how long a
@@ -84,6 +86,7 @@ impl ReplicaCore {
             session: None,
             rebuild_start: Tag::default(),
             attached: false,
+            stopped: false,
             lease: LeaseState {
                 now: None,
                 until: 0,
@@ -162,6 +165,7 @@ impl ReplicaCore {
     /// later request is refused as faulted). Nothing acknowledged is lost
     /// and the next open is not a crash recovery.
     pub fn shutdown(&mut self) -> crate::Result<()> {
+        self.stopped = true;
         self.attached = false;
         self.session = None;
         match self.store.take() {
@@ -179,6 +183,9 @@ impl ReplicaCore {
     }
 
     fn ensure_open(&mut self) -> bool {
+        if self.stopped {
+            return false;
+        }
         if self.store.is_none() {
             match Store::open((self.reopen)()) {
                 Ok(s) => {
@@ -642,5 +649,39 @@ impl ReplicaCore {
         s.read_layer(layer, lba, n, false)
             .ok()
             .map(|v| v.into_iter().map(|(t, _)| t).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::disk::StdDir;
+
+    #[test]
+    fn a_shut_down_replica_stays_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_path_buf();
+        let factory: DirFactory = Box::new(move || {
+            let d: Box<dyn StoreDir> = Box::new(StdDir::new(&path).unwrap());
+            d
+        });
+        Store::create(factory(), 16, ReplicaState::Clean).unwrap();
+        let mut core = ReplicaCore::open(factory).unwrap();
+        assert!(matches!(core.handle(Request::Probe), Response::Info(_)));
+        core.shutdown().unwrap();
+        // No reopen for a probe or an attach: the process is exiting.
+        assert!(matches!(
+            core.handle(Request::Probe),
+            Response::Refused(Refusal::Faulted)
+        ));
+        assert!(matches!(
+            core.handle(Request::Attach {
+                epoch: 1,
+                engine: 7
+            }),
+            Response::Refused(Refusal::Faulted)
+        ));
+        let s = Store::open(Box::new(StdDir::new(dir.path()).unwrap())).unwrap();
+        assert!(!s.is_marked_open());
     }
 }

@@ -1635,13 +1635,13 @@ impl Store {
     /// again while that lasts, e.g. every second). Gives the space of
     /// overwritten and trimmed blocks back without waiting for the next
     /// WAL limit: the first call seals the WAL if it holds records (its
-    /// checkpoint runs off the store thread, like at the limit; its job
-    /// punches the data-file copies it replaced), later calls finish that
-    /// checkpoint, and once nothing is outstanding and nothing was written
-    /// since, punch the free extent blocks: those checkpoints freed and
-    /// kept for the next large writes (checkpoints under a stream of
-    /// writes never punch them). Never waits for I/O in flight; safe at
-    /// any time (it only does what the write path does at its limit).
+    /// checkpoint runs off the store thread, like at the limit), later
+    /// calls finish that checkpoint, and once nothing is outstanding and
+    /// nothing was written since, punch (on a thread, up to
+    /// [`PUNCH_MAX_RUNS`] runs of each kind per call) the stale data-file
+    /// copies and the free extent blocks that checkpoints under a stream
+    /// of writes leave alone. Never waits for I/O in flight; safe at any
+    /// time (it only does what the write path does at its limit).
     pub fn idle(&mut self) -> Result<()> {
         self.poll_checkpoint()?;
         if self.sealed.is_some() || self.punch_job.is_some() {

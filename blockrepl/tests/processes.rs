@@ -72,6 +72,39 @@ fn free_addr() -> SocketAddr {
     l.local_addr().unwrap()
 }
 
+/// Starts `n` replica processes of `blocks` blocks in `tmp` (`r0`, `r1`,
+/// ...) sharing a secret; returns them and the secret, once they listen.
+async fn start_replicas(tmp: &Path, n: usize, blocks: u64) -> (Vec<Replica>, Secret) {
+    let secret_path = tmp.join("secret");
+    std::fs::write(&secret_path, b"a test secret of enough bytes\n").unwrap();
+    let mut reps: Vec<Replica> = (0..n)
+        .map(|i| Replica {
+            dir: tmp.join(format!("r{i}")),
+            addr: free_addr(),
+            secret: secret_path.clone(),
+            blocks,
+            child: None,
+        })
+        .collect();
+    for r in &mut reps {
+        r.start();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    (reps, Secret::from_file(&secret_path).unwrap())
+}
+
+/// Waits (up to 20 s) for `child` to exit after a signal.
+fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            return st;
+        }
+        assert!(Instant::now() < deadline, "{what} ignored the signal");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn image(dir: &Path) -> Vec<(u64, u64, Vec<u8>, String)> {
     let s = Store::open(Box::new(StdDir::new(dir).unwrap())).unwrap();
     let mut out = Vec::new();
@@ -91,22 +124,7 @@ fn image(dir: &Path) -> Vec<(u64, u64, Vec<u8>, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_and_stop_replica_processes_mid_write() {
     let tmp = tempfile::tempdir().unwrap();
-    let secret_path = tmp.path().join("secret");
-    std::fs::write(&secret_path, b"a test secret of enough bytes\n").unwrap();
-    let mut reps: Vec<Replica> = (0..3)
-        .map(|i| Replica {
-            dir: tmp.path().join(format!("r{i}")),
-            addr: free_addr(),
-            secret: secret_path.clone(),
-            blocks: BLOCKS,
-            child: None,
-        })
-        .collect();
-    for r in &mut reps {
-        r.start();
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let secret = Secret::from_file(&secret_path).unwrap();
+    let (mut reps, secret) = start_replicas(tmp.path(), 3, BLOCKS).await;
     let addrs: Vec<SocketAddr> = reps.iter().map(|r| r.addr).collect();
     let mut cfg = VolumeConfig::remote(&addrs, secret);
     cfg.request_timeout = Duration::from_millis(400);
@@ -264,24 +282,9 @@ async fn idle_replica_processes_give_overwritten_space_back() {
     const MIB: u64 = 1 << 20;
     const SIZE: u64 = 16 * MIB;
     let tmp = tempfile::tempdir().unwrap();
-    let secret_path = tmp.path().join("secret");
-    std::fs::write(&secret_path, b"a test secret of enough bytes\n").unwrap();
-    let mut reps: Vec<Replica> = (0..3)
-        .map(|i| Replica {
-            dir: tmp.path().join(format!("r{i}")),
-            addr: free_addr(),
-            secret: secret_path.clone(),
-            blocks: SIZE / 4096,
-            child: None,
-        })
-        .collect();
-    for r in &mut reps {
-        r.start();
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let secret = Secret::from_file(&secret_path).unwrap();
+    let (mut reps, secret) = start_replicas(tmp.path(), 3, SIZE / 4096).await;
     let addrs: Vec<SocketAddr> = reps.iter().map(|r| r.addr).collect();
-    let vol = Volume::attach(VolumeConfig::remote(&addrs, secret))
+    let vol = Volume::attach(VolumeConfig::remote(&addrs, secret.clone()))
         .await
         .unwrap();
     let chunk = |pass: u64, i: u64| Bytes::from(vec![(pass * 16 + i) as u8; MIB as usize]);
@@ -329,7 +332,6 @@ async fn idle_replica_processes_give_overwritten_space_back() {
         r.start();
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let secret = Secret::from_file(&secret_path).unwrap();
     let vol = Volume::attach(VolumeConfig::remote(&addrs, secret))
         .await
         .unwrap();
@@ -374,14 +376,7 @@ fn blockd_detaches_its_volume_on_sigterm() {
     // Attached now: the superblock records it (`Store::is_marked_open`).
     // SAFETY: kill(2) with the pid of a child we spawned and still own.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(Instant::now() < deadline, "sheaf-blockd ignored SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = wait_exit(&mut child, "sheaf-blockd");
     let mut err = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
     assert!(status.success(), "{status}: {err}");
@@ -396,18 +391,8 @@ async fn replica_closes_its_store_on_sigterm() {
     // its store is checkpointed and marked closed (the next start is no
     // crash recovery), and every acknowledged write is in it.
     let tmp = tempfile::tempdir().unwrap();
-    let secret_path = tmp.path().join("secret");
-    std::fs::write(&secret_path, b"a test secret of enough bytes\n").unwrap();
-    let mut r = Replica {
-        dir: tmp.path().join("r0"),
-        addr: free_addr(),
-        secret: secret_path.clone(),
-        blocks: BLOCKS,
-        child: None,
-    };
-    r.start();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let secret = Secret::from_file(&secret_path).unwrap();
+    let (mut reps, secret) = start_replicas(tmp.path(), 1, BLOCKS).await;
+    let r = &mut reps[0];
     let vol = Volume::attach(VolumeConfig::remote(&[r.addr], secret))
         .await
         .unwrap();
@@ -419,14 +404,7 @@ async fn replica_closes_its_store_on_sigterm() {
     vol.flush().await.unwrap();
     r.signal(libc::SIGTERM);
     let mut child = r.child.take().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        assert!(Instant::now() < deadline, "sheaf-replica ignored SIGTERM");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = wait_exit(&mut child, "sheaf-replica");
     assert!(status.success(), "{status}");
     let s = Store::open(Box::new(StdDir::new(&r.dir).unwrap())).unwrap();
     assert!(!s.is_marked_open(), "store left open");

@@ -116,6 +116,19 @@ struct Entry {
     loc: Loc,
 }
 
+impl Entry {
+    /// Whether its layer's data-file copy of the block may be needed: not
+    /// for an extent or trimmed entry; for a damaged one or one whose WAL
+    /// record is not checkpointed yet, kept to be safe.
+    fn keeps_data_copy(&self) -> bool {
+        match self.loc {
+            Loc::Ext(_) => false,
+            Loc::Layer => !self.meta.is_zero(),
+            Loc::Wal(..) | Loc::Damaged => true,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Layer {
     info: LayerInfo,
@@ -146,24 +159,25 @@ struct Layer {
     data_stale: BTreeMap<u64, u64>,
 }
 
-/// Adds block `b` to `runs` (start -> length), merging neighbours; no-op
-/// if it is already in a run.
-fn run_add_block(runs: &mut BTreeMap<u64, u64>, b: u64) {
-    let (mut start, mut len) = (b, 1);
-    if let Some((&s, &l)) = runs.range(..=b).next_back() {
-        if s + l > b {
-            return;
-        }
-        if s + l == b {
-            runs.remove(&s);
-            start = s;
-            len += l;
-        }
+/// Adds `[start, start + len)` to `runs` (start -> length), merging the
+/// runs it overlaps or touches.
+fn run_add(runs: &mut BTreeMap<u64, u64>, start: u64, len: u64) {
+    if len == 0 {
+        return;
     }
-    if let Some(l) = runs.remove(&(b + 1)) {
-        len += l;
+    let (mut lo, mut hi) = (start, start.saturating_add(len));
+    if let Some((&s, &l)) = runs.range(..=start).next_back()
+        && s + l >= start
+    {
+        runs.remove(&s);
+        lo = s;
+        hi = hi.max(s + l);
     }
-    runs.insert(start, len);
+    while let Some((&s, &l)) = runs.range(lo..=hi).next() {
+        runs.remove(&s);
+        hi = hi.max(s + l);
+    }
+    runs.insert(lo, hi - lo);
 }
 
 /// Adds run `[start, start + len)` to `runs` (start -> length), merging it
@@ -994,18 +1008,13 @@ impl Store {
     }
 
     /// Marks every block of every layer's data file as possibly stale,
-    /// except those an entry keeps there ([`Store::plan_data_punches`]
-    /// checks each again).
+    /// except those an entry keeps there.
     fn mark_all_data_stale(&mut self) {
         let size = self.sb.size_blocks;
         for l in &mut self.layers {
             let mut next = 0;
             for b in l.blocks.keys() {
-                let kept = l
-                    .blocks
-                    .get(b)
-                    .is_some_and(|e| matches!(e.loc, Loc::Layer) && !e.meta.is_zero());
-                if kept {
+                if l.blocks.get(b).is_some_and(Entry::keeps_data_copy) {
                     if b > next {
                         l.data_stale.insert(next, b - next);
                     }
@@ -1038,12 +1047,7 @@ impl Store {
                 let end = start.saturating_add(len);
                 let mut next = start;
                 for b in l.blocks.keys_in(start, end) {
-                    let keep = l.blocks.get(b).is_some_and(|e| match e.loc {
-                        Loc::Ext(_) => false,
-                        Loc::Layer => !e.meta.is_zero(),
-                        Loc::Wal(..) | Loc::Damaged => true,
-                    });
-                    if keep {
+                    if l.blocks.get(b).is_some_and(Entry::keeps_data_copy) {
                         push_data_punch(&mut ops, &l.data, (b > next).then(|| (next, b - next)));
                         next = b + 1;
                     }
@@ -1714,9 +1718,11 @@ impl Store {
             if let JobOp::Punch { li, off, len } = op
                 && let Some(l) = self.layers.get_mut(*li)
             {
-                for b in off / BLOCK_SIZE_U64..(off + len) / BLOCK_SIZE_U64 {
-                    run_add_block(&mut l.data_stale, b);
-                }
+                run_add(
+                    &mut l.data_stale,
+                    off / BLOCK_SIZE_U64,
+                    len / BLOCK_SIZE_U64,
+                );
             }
         }
         // The extent blocks it freed stay allocated, for the next large

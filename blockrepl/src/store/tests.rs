@@ -1681,6 +1681,20 @@ fn repeated_large_overwrites_keep_the_allocated_space_bounded() {
     assert!(allocated_dir(dir.path()) <= live + MIB + 128 * 1024);
 }
 
+/// Calls [`Store::idle`] (punches run on a thread) until `done`; returns
+/// how many calls it took.
+fn idle_until(s: &mut Store, done: impl Fn() -> bool) -> u32 {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut calls = 0;
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "idle never got there");
+        s.idle().unwrap();
+        calls += 1;
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    calls
+}
+
 #[test]
 fn an_idle_store_gives_back_overwritten_blocks_and_its_pool() {
     // Default pool (here a quarter of the 16 MiB volume): after the
@@ -1703,16 +1717,9 @@ fn an_idle_store_gives_back_overwritten_blocks_and_its_pool() {
     let live = 16 * MIB;
     let before = allocated_dir(dir.path());
     assert!(before > live + 4 * MIB, "{before}");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let mut calls = 0;
     // Live data, metadata (128 KiB), superblock; the WAL files keep
     // their size (one header per write: a few KiB).
-    while allocated_dir(dir.path()) > live + 256 * 1024 {
-        assert!(std::time::Instant::now() < deadline, "idle never got there");
-        s.idle().unwrap();
-        calls += 1;
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    let calls = idle_until(&mut s, || allocated_dir(dir.path()) <= live + 256 * 1024);
     assert!(calls >= 3, "{calls} idle calls");
     let want: Vec<u8> = (0..16).flat_map(|_| blks(3, 256)).collect();
     let mut out = vec![0u8; 4096 * BLOCK_SIZE];
@@ -1778,16 +1785,6 @@ fn a_block_written_small_then_large_leaves_the_layer_data_file() {
         drop(s);
         let s = Store::open(mk()).unwrap();
         check(&s);
-    }
-}
-
-/// Calls [`Store::idle`] (punches run on a thread) until `done`.
-fn idle_until(s: &mut Store, done: impl Fn() -> bool) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while !done() {
-        assert!(std::time::Instant::now() < deadline, "idle never got there");
-        s.idle().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
 
@@ -2294,5 +2291,28 @@ fn bench_large_overwrites() {
     println!(
         "after a checkpoint: {} MiB allocated",
         allocated_dir(dir.path()) >> 20
+    );
+}
+
+#[test]
+fn stale_runs_merge_overlapping_and_touching_ranges() {
+    let mut r = BTreeMap::new();
+    run_add(&mut r, 10, 5); // 10..15
+    run_add(&mut r, 20, 5); // 20..25
+    run_add(&mut r, 12, 2); // inside
+    assert_eq!(
+        r.iter().map(|(&a, &b)| (a, b)).collect::<Vec<_>>(),
+        [(10, 5), (20, 5)]
+    );
+    run_add(&mut r, 15, 5); // touches both
+    assert_eq!(
+        r.iter().map(|(&a, &b)| (a, b)).collect::<Vec<_>>(),
+        [(10, 15)]
+    );
+    run_add(&mut r, 0, 40); // covers all
+    run_add(&mut r, 50, 0); // empty
+    assert_eq!(
+        r.iter().map(|(&a, &b)| (a, b)).collect::<Vec<_>>(),
+        [(0, 40)]
     );
 }

@@ -163,6 +163,12 @@ impl Cluster {
         self.local.node_dir(name)
     }
 
+    /// The data directory of a node named from outside (see
+    /// [`LocalCluster::known_node_dir`](sheaf_orchestrator::cluster::LocalCluster::known_node_dir)).
+    pub fn known_node_dir(&self, name: &str) -> Option<PathBuf> {
+        self.local.known_node_dir(name)
+    }
+
     /// The replication secret file.
     pub fn secret_file(&self) -> &Path {
         self.local.secret_file()

@@ -28,6 +28,7 @@ use sheaf_blockrepl::volume::{Volume as BlockVolume, VolumeConfig};
 use sheaf_orchestrator::controllers::fence::replica_addrs;
 use sheaf_orchestrator::controllers::util::condition_true;
 use sheaf_orchestrator::controllers::volume::SOURCE_IMPORTED;
+use sheaf_orchestrator::names;
 use sheaf_orchestrator::resources::Volume;
 use sheaf_orchestrator::resources::sheaf::{ReplicaState, VolumePhase};
 use sheaf_orchestrator::store::{GroupKind, Store, StoreError, StoreExt, UpdateScope};
@@ -272,7 +273,8 @@ pub async fn import_image(
             ))
             .await;
         std::fs::create_dir_all(tmp_dir).map_err(|e| img_err(tmp_dir, e.to_string()))?;
-        let out = tmp_dir.join(format!("import-{ns}-{name}.raw"));
+        let out = names::child(tmp_dir, &format!("import-{ns}-{name}.raw"))
+            .map_err(|e| img_err(tmp_dir, e.to_string()))?;
         let st = tokio::process::Command::new("qemu-img")
             .args(["convert", "-f", "qcow2", "-O", "raw"])
             .arg(&path)

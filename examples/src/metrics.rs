@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::Value;
+use sheaf_orchestrator::names;
 use sheaf_orchestrator::resources::{Node, VirtualMachine, VirtualMachineInstance, Volume};
 use sheaf_orchestrator::store::{GroupKind, ListOptions, Store, WatchOptions};
 
@@ -128,13 +129,12 @@ impl Metrics {
                 continue;
             };
             // Names come from the store: keep them inside the data directory.
-            if [node, uid]
-                .iter()
-                .any(|s| s.is_empty() || s.contains('/') || s.contains(".."))
-            {
+            let Some(dir) = names::child(root, node)
+                .and_then(|n| names::child(&n.join("launchers"), uid))
+                .ok()
+            else {
                 continue;
-            }
-            let dir = root.join(node).join("launchers").join(uid);
+            };
             if let Some(m) = IoMetrics::load(&dir) {
                 v.push((node.to_string(), m));
             }

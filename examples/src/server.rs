@@ -32,6 +32,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use sheaf_orchestrator::launcher::files as launcher_files;
 use sheaf_orchestrator::launcher::{LauncherCommand, LauncherStatus};
+use sheaf_orchestrator::names;
 use sheaf_orchestrator::resources::kubevirt::StateChangeRequest;
 use sheaf_orchestrator::resources::{
     RunStrategy, VirtualMachine, VirtualMachineInstance, VmiPhase,
@@ -339,8 +340,19 @@ async fn running_vmi(s: &ClusterState, ns: &str, name: &str) -> Result<PathBuf, 
         )));
     };
     let uid = vmi.metadata.uid.clone().unwrap_or_default();
-    let node_dir = s.cluster.lock().await.node_dir(&node);
-    Ok(node_dir.join("launchers").join(uid))
+    let launchers = launchers_dir(s, &node).await?;
+    names::child(&launchers, &uid).map_err(|e| Failure::new(500, "InternalError", e.to_string()))
+}
+
+/// `nodes/<node>/launchers` for a node named by an object's status (which
+/// an API user can write): only one of this cluster's nodes.
+async fn launchers_dir(s: &ClusterState, node: &str) -> Result<PathBuf, Failure> {
+    let Some(dir) = s.cluster.lock().await.known_node_dir(node) else {
+        return Err(Failure::conflict(format!(
+            "node {node:?} is not a node of this cluster"
+        )));
+    };
+    Ok(dir.join("launchers"))
 }
 
 fn launcher_err(e: impl std::fmt::Display) -> Failure {
@@ -473,11 +485,12 @@ async fn console(
             "instance {ns}/{name} is not scheduled yet"
         )));
     };
-    let node_dir = s.cluster.lock().await.node_dir(&node);
-    let live = node_dir.join("launchers").join(&uid).join("console.log");
-    let kept = node_dir
-        .join("launchers")
-        .join(format!("{uid}.console.log"));
+    let launchers = launchers_dir(&s, &node).await?;
+    let bad = |e: names::PathError| Failure::new(500, "InternalError", e.to_string());
+    let live = names::child(&launchers, &uid)
+        .map_err(bad)?
+        .join("console.log");
+    let kept = names::child(&launchers, &format!("{uid}.console.log")).map_err(bad)?;
     let follow = q.follow.unwrap_or(true) && !finished;
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     let store = s.store.clone();
@@ -560,6 +573,16 @@ async fn import(
     Path((ns, name)): Path<(String, String)>,
     axum::Json(opts): axum::Json<ImportOptions>,
 ) -> Result<Response, Failure> {
+    // Checked here for an early, clear 422 (the store checks again on create).
+    if let Err(e) =
+        names::check_namespace(&ns).and_then(|()| names::check_object_name("sheaf.dev", &name))
+    {
+        return Err(Failure::new(
+            422,
+            "Invalid",
+            format!("Volume {ns}/{name}: {e}"),
+        ));
+    }
     if !std::path::Path::new(&opts.image).is_absolute() {
         return Err(Failure::new(
             400,

@@ -220,6 +220,45 @@ fn image_source(dir: &Path, tmp: &Path) {
     kubectl(dir, &["delete", "volume", "bad-source"]);
 }
 
+/// Issue 18 item 1: the import subresource took a percent-decoded name
+/// unchecked, and every node then made (and later removed) the directory
+/// `replicas/{ns}_{name}`. The exact requests, through the HTTP API with
+/// real curl: each is refused with 422, no volume is stored, and nothing
+/// outside the data directory changes (a victim directory beside it keeps
+/// its one file).
+fn hostile_import_names(dir: &Path, tmp: &Path, image: &Path) {
+    let victim = tmp.join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    std::fs::write(victim.join("keep"), b"precious").unwrap();
+    let before = common::tree(tmp, dir);
+    let body = format!(
+        "{{\"image\": {:?}, \"replicas\": 3}}",
+        image.to_str().unwrap()
+    );
+    // From nodes/node-N/replicas, `default_..` then five `..` reach `tmp`.
+    let up = "..%2F".repeat(6);
+    for path in [
+        format!("/apis/subresources.sheaf.dev/v1/namespaces/default/volumes/{up}victim/import"),
+        format!("/apis/subresources.sheaf.dev/v1/namespaces/{up}victim/volumes/v/import"),
+        "/apis/subresources.sheaf.dev/v1/namespaces/default/volumes/..%2F/import".to_string(),
+        "/apis/subresources.sheaf.dev/v1/namespaces/default/volumes/%2E%2E/import".to_string(),
+    ] {
+        let (code, out) = common::curl_api(dir, "POST", &path, &body);
+        assert_eq!(code, 422, "{path}: {out}");
+        assert!(out.contains("Invalid value"), "{path}: {out}");
+    }
+    // The agents would act within a second or two: give them longer.
+    std::thread::sleep(Duration::from_secs(3));
+    let vols = kubectl(dir, &["get", "volumes", "-A", "-o", "name"]);
+    assert!(!vols.contains("victim") && !vols.contains(".."), "{vols}");
+    assert_eq!(
+        common::tree(tmp, dir),
+        before,
+        "something outside the data dir changed"
+    );
+    assert_eq!(std::fs::read(victim.join("keep")).unwrap(), b"precious");
+}
+
 #[test]
 fn cluster_end_to_end() {
     if !Path::new("/dev/kvm").exists() {
@@ -271,6 +310,7 @@ fn cluster_end_to_end() {
     let (good, out) = sheaf(&dir, &["image", "import", "/nonexistent.img"]);
     assert!(!good && out.contains("/nonexistent.img"), "{out}");
     image_source(&dir, tmp.path());
+    hostile_import_names(&dir, tmp.path(), &raw);
 
     // kubectl applies the example; the VMI runs where sched put it.
     let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm.yaml");

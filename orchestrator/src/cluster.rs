@@ -216,6 +216,16 @@ impl LocalCluster {
         self.config.data_dir.join("nodes").join(name)
     }
 
+    /// The data directory of node `name` when `name` comes from outside
+    /// (a request, an object's status): `None` unless it is one of this
+    /// cluster's nodes and a plain directory name under `nodes/`.
+    pub fn known_node_dir(&self, name: &str) -> Option<PathBuf> {
+        if !self.nodes.contains_key(name) {
+            return None;
+        }
+        crate::names::child(&self.config.data_dir.join("nodes"), name).ok()
+    }
+
     /// The agent settings of node `name`.
     pub fn agent_config(&self, name: &str) -> NodeAgentConfig {
         let idx: usize = name

@@ -25,6 +25,7 @@ pub mod controllers;
 #[cfg(feature = "kube")]
 pub mod kube;
 pub mod launcher;
+pub mod names;
 pub mod resources;
 pub mod runtime;
 pub mod store;

@@ -376,3 +376,65 @@ async fn discovery_and_openapi() {
     assert_eq!(t["kind"], "Table");
     assert_eq!(t["columnDefinitions"][1]["name"], "Status");
 }
+
+/// Names reach host paths (a node keeps a volume's replica in
+/// `replicas/{ns}_{name}` and removes it with the volume): every route that
+/// can create an object refuses a namespace or name that is not a plain
+/// DNS-1123 name, percent-encoded or not, and nothing is stored.
+#[tokio::test]
+async fn names_that_leave_a_directory_are_refused_on_every_route() {
+    let ts = start().await;
+    let c = Client::new(&ts);
+    let vol = |name: &str| {
+        json!({"apiVersion": "sheaf.dev/v1", "kind": "Volume",
+            "metadata": {"name": name}, "spec": {"size": "16Mi", "replicas": 1}})
+    };
+    const VOLS: &str = "/apis/sheaf.dev/v1/namespaces/default/volumes";
+    for name in ["../../victim", "a/../../b", "..", "."] {
+        assert_status(&c.post_json(VOLS, &vol(name)).await, 422, "Invalid");
+    }
+    // A namespace of `..` or `../x`, percent-encoded in the path.
+    for ns in ["..", "..%2F..%2Fvictim", "a%2Fb"] {
+        let r = c
+            .post_json(
+                &format!("/apis/sheaf.dev/v1/namespaces/{ns}/volumes"),
+                &vol("v"),
+            )
+            .await;
+        assert!((400..500).contains(&r.status), "{ns}: {}", r.json());
+    }
+    // Server-side apply and PUT create-or-update with the name in the path.
+    let enc = "..%2F..%2Fvictim";
+    let mut body = vol("../../victim");
+    body["metadata"]["namespace"] = json!("default");
+    let r = c
+        .req(
+            "PATCH",
+            &format!("{VOLS}/{enc}?fieldManager=test"),
+            Some("application/apply-patch+yaml"),
+            body.to_string(),
+        )
+        .await;
+    assert!((400..500).contains(&r.status), "apply: {}", r.json());
+    let r = c
+        .req(
+            "PUT",
+            &format!("{VOLS}/{enc}"),
+            Some("application/json"),
+            body.to_string(),
+        )
+        .await;
+    assert!((400..500).contains(&r.status), "put: {}", r.json());
+    // The store itself refuses, whatever route a caller takes.
+    let gk = sheaf_orchestrator::store::GroupKind::new("sheaf.dev", "Volume");
+    let e = ts
+        .store
+        .create(&gk, "default", vol("../../victim"))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("metadata.name"), "{e}");
+    let e = ts.store.create(&gk, "..", vol("v")).await.unwrap_err();
+    assert!(e.to_string().contains("metadata.namespace"), "{e}");
+    let all = ts.store.list(&gk, None, &Default::default()).await.unwrap();
+    assert!(all.items.is_empty(), "{:?}", all.items);
+}

@@ -162,3 +162,75 @@ pub fn vmi_node(dir: &Path) -> String {
     .trim()
     .to_string()
 }
+
+/// Sends one request to the cluster's API server with real curl, the path
+/// exactly as given (`--path-as-is`: no `..` folding, percent-escapes kept),
+/// as the admin user: (HTTP status, body).
+pub fn curl_api(dir: &Path, method: &str, path: &str, body: &str) -> (u16, String) {
+    let kc = dir.join("admin.kubeconfig");
+    let view = |q: &str| {
+        let o = Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&kc)
+            .args(["config", "view", "--raw", "-o"])
+            .arg(format!("jsonpath={q}"))
+            .output()
+            .unwrap();
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let server = view("{.clusters[0].cluster.server}");
+    let token = view("{.users[?(@.name==\"sheaf-admin\")].user.token}");
+    let ca = dir.join("curl-ca.pem");
+    let ca_b64 = view("{.clusters[0].cluster.certificate-authority-data}");
+    let ca_pem = Command::new("base64")
+        .arg("-d")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(ca_b64.as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    std::fs::write(&ca, ca_pem.stdout).unwrap();
+    let o = Command::new("curl")
+        .args(["-sS", "--path-as-is", "-X", method, "--cacert"])
+        .arg(&ca)
+        .args(["-H", &format!("Authorization: Bearer {token}")])
+        .args([
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            body,
+        ])
+        .args(["-w", "\n%{http_code}"])
+        .arg(format!("{server}{path}"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+/// Every path under `root` except those under `skip`, with each file's
+/// length: a fingerprint of what a test must leave alone.
+pub fn tree(root: &Path, skip: &Path) -> Vec<(PathBuf, u64)> {
+    let mut out = Vec::new();
+    let mut todo = vec![root.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.starts_with(skip) {
+                continue;
+            }
+            let m = std::fs::symlink_metadata(&p).unwrap();
+            if m.is_dir() {
+                todo.push(p.clone());
+            }
+            out.push((p, if m.is_file() { m.len() } else { 0 }));
+        }
+    }
+    out.sort();
+    out
+}

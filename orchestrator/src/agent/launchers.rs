@@ -14,6 +14,7 @@ use tracing::{debug, info, warn};
 use super::{Shared, lock};
 use crate::controllers::runner::ObjectKey;
 use crate::launcher::{LaunchSpec, LauncherCommand, LauncherPhase, LauncherStatus, connect, files};
+use crate::names::{self, PathError};
 use crate::runtime::VmExit;
 
 /// What the agent tracks per launcher.
@@ -68,8 +69,10 @@ pub(crate) fn list(shared: &Shared) -> Vec<LauncherInfo> {
         .collect()
 }
 
-pub(crate) fn console_path(shared: &Shared, uid: &str) -> PathBuf {
-    shared.launchers_dir().join(uid).join(files::CONSOLE)
+/// The live console log of instance `uid` (refused unless `uid` is one
+/// plain directory name).
+pub(crate) fn console_path(shared: &Shared, uid: &str) -> Result<PathBuf, PathError> {
+    Ok(names::child(&shared.launchers_dir(), uid)?.join(files::CONSOLE))
 }
 
 fn pid_alive(pid: u32) -> bool {
@@ -84,6 +87,7 @@ pub(crate) fn spawn(
     spec: &LaunchSpec,
 ) -> std::io::Result<u32> {
     let dir = spec.dir.clone();
+    names::ensure_child(&shared.launchers_dir(), &dir).map_err(std::io::Error::other)?;
     std::fs::create_dir_all(&dir)?;
     let spec_path = dir.join(files::SPEC);
     std::fs::write(
@@ -247,10 +251,16 @@ pub(crate) fn cleanup(shared: &Shared, uid: &str) {
     let Some(e) = lock(&shared.launchers).remove(uid) else {
         return;
     };
+    let parent = shared.launchers_dir();
+    if let Err(err) = names::ensure_child(&parent, &e.dir) {
+        warn!(error = %err, "not removing a launcher directory");
+        return;
+    }
     let console = e.dir.join(files::CONSOLE);
-    let keep = shared.launchers_dir().join(format!("{uid}.console.log"));
-    let _ = std::fs::rename(&console, &keep);
-    if let Err(err) = std::fs::remove_dir_all(&e.dir) {
+    if let Ok(keep) = names::child(&parent, &format!("{uid}.console.log")) {
+        let _ = std::fs::rename(&console, &keep);
+    }
+    if let Err(err) = names::remove_dir_under(&parent, &e.dir) {
         debug!(dir = %e.dir.display(), error = %err, "removing launcher directory");
     }
 }

@@ -268,7 +268,7 @@ impl NodeAgent {
     }
 
     /// Where the console of instance `uid` is written on this node.
-    pub fn console_path(&self, uid: &str) -> PathBuf {
+    pub fn console_path(&self, uid: &str) -> Result<PathBuf, crate::names::PathError> {
         launchers::console_path(&self.shared, uid)
     }
 

@@ -23,6 +23,7 @@ use super::{Shared, lock};
 use crate::controllers::runner::{Action, ObjectKey, Reconciler};
 use crate::controllers::util::*;
 use crate::controllers::{ControllerError, ControllerResult};
+use crate::names::{self, PathError};
 use crate::resources::common::now;
 use crate::resources::sheaf::ReplicaState;
 use crate::resources::{Volume, parse_quantity_bytes};
@@ -49,10 +50,17 @@ fn pid_alive(pid: u32) -> bool {
     unsafe { libc::kill(pid as i32, 0) == 0 }
 }
 
-fn dir_for(shared: &Shared, key: &ObjectKey) -> PathBuf {
-    shared
-        .replicas_dir()
-        .join(format!("{}_{}", key.namespace, key.name))
+/// `replicas/{namespace}_{name}`, refused unless it is one plain directory
+/// name under `replicas/` (names come from the API).
+fn dir_for(shared: &Shared, key: &ObjectKey) -> Result<PathBuf, PathError> {
+    names::child(
+        &shared.replicas_dir(),
+        &format!("{}_{}", key.namespace, key.name),
+    )
+}
+
+fn path_err(e: PathError) -> ControllerError {
+    ControllerError::Invalid(format!("replica directory: {e}"))
 }
 
 /// Adopts replica servers left by a previous agent.
@@ -103,19 +111,26 @@ impl ReplicaReconciler {
 
     fn remove_local(&self, key: &ObjectKey) {
         let e = lock(&self.shared.replicas).remove(key);
-        let dir = e
-            .as_ref()
-            .map(|e| e.dir.clone())
-            .unwrap_or_else(|| dir_for(&self.shared, key));
+        let dir = match e.as_ref().map(|e| e.dir.clone()) {
+            Some(d) => Ok(d),
+            None => dir_for(&self.shared, key),
+        };
         if let Some(pid) = e.and_then(|e| e.pid) {
             // SAFETY: kill(2) on the replica server this agent started.
             unsafe {
                 libc::kill(pid as i32, libc::SIGKILL);
             }
         }
+        let dir = match dir {
+            Ok(d) => d,
+            Err(e) => {
+                warn!(volume = %key, error = %e, "not removing a replica directory");
+                return;
+            }
+        };
         if dir.exists() {
             info!(volume = %key, "removing replica");
-            if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if let Err(e) = names::remove_dir_under(&self.shared.replicas_dir(), &dir) {
                 warn!(dir = %dir.display(), error = %e, "removing replica directory");
             }
         }
@@ -129,7 +144,7 @@ impl ReplicaReconciler {
         replacement: bool,
         port: u16,
     ) -> ControllerResult<ReplicaEntry> {
-        let dir = dir_for(&self.shared, key);
+        let dir = dir_for(&self.shared, key).map_err(path_err)?;
         std::fs::create_dir_all(&dir).map_err(|e| {
             ControllerError::Invalid(format!("replica directory {}: {e}", dir.display()))
         })?;
@@ -244,7 +259,7 @@ impl Reconciler for ReplicaReconciler {
                 .unwrap_or(0)
                 .div_ceil(4096)
                 * 4096;
-            let dir = dir_for(&self.shared, key);
+            let dir = dir_for(&self.shared, key).map_err(path_err)?;
             let fresh = !store_exists(&dir);
             let replacement = fresh && entry.state == Some(ReplicaState::Rebuilding);
             let port = local.as_ref().map(|l| l.addr.port()).unwrap_or(0);

@@ -15,6 +15,7 @@ use crate::controllers::runner::{Action, KeyMapper, ObjectKey, Reconciler};
 use crate::controllers::util::*;
 use crate::controllers::{ControllerError, ControllerResult};
 use crate::launcher::{LaunchDisk, LaunchSpec, LauncherPhase, LauncherStatus};
+use crate::names;
 use crate::resources::common::json_str;
 use crate::resources::sheaf::ReplicaState;
 use crate::resources::{
@@ -223,7 +224,7 @@ pub(crate) fn launch_spec(
         },
         disks,
         secret_file: Some(cfg.secret_file.clone()),
-        dir: shared.launchers_dir().join(uid(vmi)),
+        dir: names::child(&shared.launchers_dir(), uid(vmi)).map_err(|e| e.to_string())?,
     }))
 }
 

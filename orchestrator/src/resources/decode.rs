@@ -335,23 +335,7 @@ pub fn decode<K: Resource>(
     Ok((obj, warnings))
 }
 
-/// Checks a DNS-1123 subdomain (object names): lower-case alphanumerics, `-` and `.`, at most 253.
-pub fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|l| {
-            !l.is_empty()
-                && l.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        })
-}
-
-/// Checks a DNS-1123 label (namespaces, disk and volume names): at most 63, no dots.
-pub fn is_dns_label(s: &str) -> bool {
-    s.len() <= 63 && !s.contains('.') && is_dns_subdomain(s)
-}
+pub use crate::names::{is_dns_label, is_dns_subdomain};
 
 fn valid_label_name(k: &str) -> bool {
     let (prefix, name) = match k.rsplit_once('/') {

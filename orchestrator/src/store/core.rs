@@ -305,6 +305,15 @@ impl<'a> Txn<'a> {
                 }
             },
         };
+        // Names reach host paths (replica directories, import files): no
+        // route may store one that is not a plain Kubernetes name.
+        crate::names::check_namespace(ns)
+            .and_then(|()| crate::names::check_object_name(&gk.group, &name))
+            .map_err(|e| StoreError::Invalid {
+                kind: gk.clone(),
+                name: name.clone(),
+                message: e.to_string(),
+            })?;
         let key = (
             gk.group.clone(),
             gk.kind.clone(),

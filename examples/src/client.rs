@@ -167,9 +167,12 @@ impl ApiClient {
         }
     }
 
-    async fn open(
-        &self,
-    ) -> Result<hyper::client::conn::http1::SendRequest<Full<Bytes>>, ClientError> {
+    async fn open<B>(&self) -> Result<hyper::client::conn::http1::SendRequest<B>, ClientError>
+    where
+        B: hyper::body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let tcp = tokio::net::TcpStream::connect((self.host.as_str(), self.port))
             .await
             .map_err(|e| self.connect_err(e))?;
@@ -290,11 +293,63 @@ impl ApiClient {
         path: &str,
         content_type: Option<&str>,
         body: Bytes,
-        mut f: impl FnMut(&[u8]) -> bool,
+        f: impl FnMut(&[u8]) -> bool,
     ) -> Result<(), ClientError> {
         let mut s = self.open().await?;
         let req = self.request(method, path, content_type, body)?;
         let resp = s.send_request(req).await.map_err(|e| self.connect_err(e))?;
+        self.stream_answer(resp, f).await
+    }
+
+    /// Sends a request whose body is read from `file` in 1 MiB chunks
+    /// (`sent` is told each chunk's length), and streams the answer's body
+    /// into `f` (a non-2xx answer becomes [`ClientError::Status`]).
+    pub async fn upload_file(
+        &self,
+        method: &str,
+        path: &str,
+        file: tokio::fs::File,
+        sent: impl Fn(u64) + Send + Sync + 'static,
+        f: impl FnMut(&[u8]) -> bool,
+    ) -> Result<(), ClientError> {
+        use tokio::io::AsyncReadExt as _;
+        let sent = Arc::new(sent);
+        let chunks = futures::stream::unfold(Some(file), move |file| {
+            let sent = sent.clone();
+            async move {
+                let mut file = file?;
+                let mut buf = vec![0u8; 1 << 20];
+                match file.read(&mut buf).await {
+                    Ok(0) => None,
+                    Ok(n) => {
+                        buf.truncate(n);
+                        sent(n as u64);
+                        Some((Ok(hyper::body::Frame::data(Bytes::from(buf))), Some(file)))
+                    }
+                    Err(e) => Some((Err(e), None)),
+                }
+            }
+        });
+        let body = http_body_util::StreamBody::new(chunks);
+        let mut s = self.open().await?;
+        let req = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", format!("{}:{}", self.host, self.port))
+            .header("authorization", format!("Bearer {}", self.token))
+            .header("accept", "application/json")
+            .header("content-type", "application/octet-stream")
+            .body(body)
+            .map_err(|e| ClientError::Protocol(e.to_string()))?;
+        let resp = s.send_request(req).await.map_err(|e| self.connect_err(e))?;
+        self.stream_answer(resp, f).await
+    }
+
+    async fn stream_answer(
+        &self,
+        resp: hyper::Response<hyper::body::Incoming>,
+        mut f: impl FnMut(&[u8]) -> bool,
+    ) -> Result<(), ClientError> {
         let status = resp.status().as_u16();
         let mut body = resp.into_body();
         if !(200..300).contains(&status) {

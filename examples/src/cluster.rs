@@ -47,6 +47,8 @@ pub struct UpOptions {
     pub node_grace: Duration,
     /// The launcher binary (`sheaf` itself serves `vm`, `replica` and `agent`).
     pub launcher_bin: PathBuf,
+    /// Extra image directories (`--image-dir`), besides `<data>/images`.
+    pub image_dirs: Vec<PathBuf>,
 }
 
 /// Failures of `cluster up`.
@@ -165,8 +167,16 @@ impl Cluster {
 
     /// The data directory of a node named from outside (see
     /// [`LocalCluster::known_node_dir`](sheaf_orchestrator::cluster::LocalCluster::known_node_dir)).
+    /// With `--netns` the nodes are processes outside the in-process
+    /// cluster, so membership is checked against [`Cluster::node_names`].
     pub fn known_node_dir(&self, name: &str) -> Option<PathBuf> {
-        self.local.known_node_dir(name)
+        if !self.node_names().iter().any(|n| n == name) {
+            return None;
+        }
+        let dir = self.local.node_dir(name);
+        sheaf_orchestrator::names::ensure_child(dir.parent()?, &dir)
+            .ok()
+            .map(|()| dir)
     }
 
     /// The replication secret file.
@@ -404,6 +414,14 @@ async fn start_inner(
     cfg.nodes = if net.is_some() { 0 } else { opts.nodes };
     cfg.store = StoreKind::Redb;
     cfg.control.node_grace_period = opts.node_grace;
+    cfg.image_dirs = opts.image_dirs.clone();
+    let images = cfg.image_policy();
+    for d in images.roots().iter().take(2) {
+        std::fs::create_dir_all(d).map_err(|source| UpError::Io {
+            path: d.clone(),
+            source,
+        })?;
+    }
     let local = LocalCluster::start(cfg).await?;
     let store = local.store().clone();
     let metrics = Metrics::new(store.clone()).with_nodes_dir(opts.data_dir.join("nodes"));
@@ -414,6 +432,7 @@ async fn start_inner(
             secret_file: local.secret_file().to_path_buf(),
             tmp_dir: opts.data_dir.join("tmp"),
             metrics: metrics.clone(),
+            images: images.clone(),
         }
         .spawn(),
     ];
@@ -428,6 +447,7 @@ async fn start_inner(
         cluster: cluster.clone(),
         metrics: metrics.clone(),
         data_dir: opts.data_dir.clone(),
+        images,
     }));
     let api = match ApiServer::start(api_cfg, store.clone()).await {
         Ok(a) => a,

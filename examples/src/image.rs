@@ -28,6 +28,7 @@ use sheaf_blockrepl::volume::{Volume as BlockVolume, VolumeConfig};
 use sheaf_orchestrator::controllers::fence::replica_addrs;
 use sheaf_orchestrator::controllers::util::condition_true;
 use sheaf_orchestrator::controllers::volume::SOURCE_IMPORTED;
+use sheaf_orchestrator::images::ImagePolicy;
 use sheaf_orchestrator::names;
 use sheaf_orchestrator::resources::Volume;
 use sheaf_orchestrator::resources::sheaf::{ReplicaState, VolumePhase};
@@ -137,8 +138,9 @@ fn img_err(path: &Path, message: impl Into<String>) -> ImportError {
 }
 
 /// Reads an image's format and size: qcow2 is recognised by its magic
-/// (`QFI\xfb`) and sized with `qemu-img info`; everything else is raw.
-pub fn probe_image(path: &Path) -> Result<ImageInfo, ImportError> {
+/// (`QFI\xfb`), checked (no backing or data file) and sized with a
+/// confined `qemu-img info`; everything else is raw.
+pub async fn probe_image(path: &Path) -> Result<ImageInfo, ImportError> {
     let mut f = std::fs::File::open(path).map_err(|e| img_err(path, e.to_string()))?;
     let meta = f.metadata().map_err(|e| img_err(path, e.to_string()))?;
     if !meta.is_file() {
@@ -149,25 +151,9 @@ pub fn probe_image(path: &Path) -> Result<ImageInfo, ImportError> {
         .read(&mut magic)
         .map_err(|e| img_err(path, e.to_string()))?;
     if n == 4 && &magic == b"QFI\xfb" {
-        let out = std::process::Command::new("qemu-img")
-            .args(["info", "--output=json", "-f", "qcow2"])
-            .arg(path)
-            .output()
-            .map_err(|e| img_err(path, format!("qemu-img info (install qemu-utils): {e}")))?;
-        if !out.status.success() {
-            return Err(img_err(
-                path,
-                format!(
-                    "qemu-img info: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            ));
-        }
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-            .map_err(|e| img_err(path, format!("qemu-img info output: {e}")))?;
-        let size = v["virtual-size"]
-            .as_u64()
-            .ok_or_else(|| img_err(path, "qemu-img info reports no virtual-size"))?;
+        let size = crate::qemu_img::qcow2_size(path)
+            .await
+            .map_err(|e| img_err(path, e.to_string()))?;
         return Ok(ImageInfo {
             format: "qcow2".into(),
             virtual_size: size,
@@ -193,6 +179,7 @@ pub async fn import_image(
     store: &Arc<dyn Store>,
     secret_file: &Path,
     tmp_dir: &Path,
+    images: &ImagePolicy,
     ns: &str,
     name: &str,
     opts: &ImportOptions,
@@ -204,8 +191,11 @@ pub async fn import_image(
         volume: vname.clone(),
         message: m,
     };
-    let path = PathBuf::from(&opts.image);
-    let info = probe_image(&path)?;
+    // Only a file inside an image directory, symbolic links resolved.
+    let path = images
+        .resolve(&opts.image)
+        .map_err(|e| img_err(Path::new(&opts.image), e.to_string()))?;
+    let info = probe_image(&path).await?;
     let size = opts
         .size
         .unwrap_or_else(|| round_up(info.virtual_size, 1 << 20));
@@ -275,21 +265,10 @@ pub async fn import_image(
         std::fs::create_dir_all(tmp_dir).map_err(|e| img_err(tmp_dir, e.to_string()))?;
         let out = names::child(tmp_dir, &format!("import-{ns}-{name}.raw"))
             .map_err(|e| img_err(tmp_dir, e.to_string()))?;
-        let st = tokio::process::Command::new("qemu-img")
-            .args(["convert", "-f", "qcow2", "-O", "raw"])
-            .arg(&path)
-            .arg(&out)
-            .output()
-            .await
-            .map_err(|e| img_err(&path, format!("qemu-img convert: {e}")))?;
-        if !st.status.success() {
-            return Err(img_err(
-                &path,
-                format!(
-                    "qemu-img convert: {}",
-                    String::from_utf8_lossy(&st.stderr).trim()
-                ),
-            ));
+        // Removed on failure too (a partial conversion can be large).
+        if let Err(e) = crate::qemu_img::convert_to_raw(&path, &out).await {
+            let _ = std::fs::remove_file(&out);
+            return Err(img_err(&path, e.to_string()));
         }
         converted = Some(out.clone());
         out
@@ -504,12 +483,12 @@ pub fn probe_log_record(k: u64, token: &[u8]) -> [u8; 512] {
 mod tests {
     use super::*;
 
-    #[test]
-    fn raw_and_qcow2_are_recognised() {
+    #[tokio::test]
+    async fn raw_and_qcow2_are_recognised() {
         let d = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let raw = d.path().join("a.raw");
         write_probe_disk(&raw, 4 << 20, 3, "t").unwrap_or_else(|e| panic!("{e}"));
-        let i = probe_image(&raw).unwrap_or_else(|e| panic!("{e}"));
+        let i = probe_image(&raw).await.unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             i,
             ImageInfo {
@@ -524,7 +503,7 @@ mod tests {
             .arg(&q)
             .status();
         if st.is_ok_and(|s| s.success()) {
-            let i = probe_image(&q).unwrap_or_else(|e| panic!("{e}"));
+            let i = probe_image(&q).await.unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(
                 i,
                 ImageInfo {
@@ -533,14 +512,91 @@ mod tests {
                 }
             );
         }
-        assert!(probe_image(&d.path().join("missing")).is_err());
+        assert!(probe_image(&d.path().join("missing")).await.is_err());
         let empty = d.path().join("empty");
         std::fs::write(&empty, b"").unwrap_or_else(|e| panic!("{e}"));
         assert!(
             probe_image(&empty)
+                .await
                 .unwrap_err()
                 .to_string()
                 .contains("empty image")
+        );
+    }
+
+    /// Issue 18 item 2: each crafted qcow2 that would make qemu-img read
+    /// another host file or a network server is refused before conversion.
+    #[tokio::test]
+    async fn crafted_qcow2_images_are_refused() {
+        if std::process::Command::new("qemu-img")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            eprintln!("SKIP: no qemu-img (scripts/setup installs qemu-utils)");
+            return;
+        }
+        let d = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let secret = d.path().join("secret");
+        std::fs::write(&secret, vec![b's'; 1 << 20]).unwrap_or_else(|e| panic!("{e}"));
+        let create = |name: &str, args: &[&str]| {
+            let p = d.path().join(name);
+            let st = std::process::Command::new("qemu-img")
+                .args(["create", "-f", "qcow2"])
+                .args(args)
+                .arg(&p)
+                .arg("1M")
+                .output()
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert!(
+                st.status.success(),
+                "{}",
+                String::from_utf8_lossy(&st.stderr)
+            );
+            p
+        };
+        let sec = secret.to_str().unwrap_or_default();
+        let json_backing = format!("json:{{\"file.driver\":\"file\",\"file.filename\":\"{sec}\"}}");
+        let data_file = format!("data_file={}", d.path().join("data.raw").display());
+        let cases = [
+            (
+                "backing.qcow2",
+                vec!["-u", "-F", "raw", "-b", sec],
+                "backing file",
+            ),
+            (
+                "json.qcow2",
+                vec!["-u", "-F", "raw", "-b", json_backing.as_str()],
+                "backing file",
+            ),
+            (
+                "nbd.qcow2",
+                vec!["-u", "-F", "raw", "-b", "nbd:127.0.0.1:10809"],
+                "backing file",
+            ),
+            (
+                "datafile.qcow2",
+                vec!["-o", data_file.as_str()],
+                "data file",
+            ),
+        ];
+        for (name, args, want) in cases {
+            let p = create(name, &args);
+            let e = probe_image(&p).await.unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("refused"), "{name}: {e}");
+        }
+        // A qcow2 header that lies (truncated after the magic).
+        let t = d.path().join("truncated.qcow2");
+        std::fs::write(&t, b"QFI\xfb\0\0\0\x03").unwrap_or_else(|e| panic!("{e}"));
+        assert!(probe_image(&t).await.is_err());
+        // A plain qcow2 still passes.
+        let ok = create("plain.qcow2", &[]);
+        assert_eq!(
+            probe_image(&ok)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .virtual_size,
+            1 << 20
         );
     }
 

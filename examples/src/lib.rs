@@ -8,16 +8,22 @@
 //!   metrics   Prometheus text from the store, the process's own I/O and the launchers' guest I/O
 //!   netns     `--netns`: node namespaces, bridge, node processes (`sheaf agent`)
 //!   image     raw/qcow2 import into a replicated Volume, probe demo disks
+//!   qemu_img  confined qemu-img runs; qcow2 with backing/data files refused
 //!   client    HTTPS client configured from a kubeconfig
+//!   commands  the client side of `sheaf` commands (verbs, console, import upload)
 //!   status    `sheaf status` tables
 //!   sources   fills Volumes applied with `spec.source.image`
+//!   upload    image uploads streamed into `<data>/uploads`
 //! ```
 
 pub mod client;
 pub mod cluster;
+pub mod commands;
 pub mod image;
 pub mod metrics;
 pub mod netns;
+pub mod qemu_img;
 pub mod server;
 pub mod sources;
 pub mod status;
+pub mod upload;

@@ -621,6 +621,12 @@ impl NetnsNodes {
         if let Some(z) = &cfg.zone {
             cmd.arg("--zone").arg(z);
         }
+        for d in cfg.images.roots() {
+            cmd.arg("--image-dir").arg(d);
+        }
+        for d in cfg.images.denied() {
+            cmd.arg("--protect-dir").arg(d);
+        }
         cmd.stdin(Stdio::null())
             .stdout(log)
             .stderr(log2)

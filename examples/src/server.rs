@@ -30,6 +30,7 @@ use axum::routing::{get, post, put};
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use sheaf_orchestrator::images::{ImagePolicy, ImageSourceError};
 use sheaf_orchestrator::launcher::files as launcher_files;
 use sheaf_orchestrator::launcher::{LauncherCommand, LauncherStatus};
 use sheaf_orchestrator::names;
@@ -57,6 +58,8 @@ pub struct ClusterState {
     pub metrics: Metrics,
     /// The cluster's data directory.
     pub data_dir: PathBuf,
+    /// Where image files may come from.
+    pub images: ImagePolicy,
 }
 
 /// A Kubernetes `Status` failure.
@@ -568,10 +571,29 @@ async fn node_verb(
     Ok(ok(json!({"node": name, "action": verb})))
 }
 
+/// Query of an upload (`Content-Type: application/octet-stream`): the body
+/// is the image itself.
+#[derive(Debug, Deserialize)]
+struct UploadQuery {
+    size: Option<u64>,
+    replicas: Option<u32>,
+}
+
+fn image_failure(e: &ImageSourceError) -> Failure {
+    match e {
+        ImageSourceError::NotAllowed { .. } | ImageSourceError::Protocol(_) => {
+            Failure::new(403, "Forbidden", e.to_string())
+        }
+        _ => Failure::new(422, "Invalid", e.to_string()),
+    }
+}
+
 async fn import(
     State(s): State<ClusterState>,
     Path((ns, name)): Path<(String, String)>,
-    axum::Json(opts): axum::Json<ImportOptions>,
+    Query(q): Query<UploadQuery>,
+    headers: axum::http::HeaderMap,
+    body: Body,
 ) -> Result<Response, Failure> {
     // Checked here for an early, clear 422 (the store checks again on create).
     if let Err(e) =
@@ -583,13 +605,33 @@ async fn import(
             format!("Volume {ns}/{name}: {e}"),
         ));
     }
-    if !std::path::Path::new(&opts.image).is_absolute() {
-        return Err(Failure::new(
-            400,
-            "BadRequest",
-            format!("image path {:?} must be absolute", opts.image),
-        ));
-    }
+    let upload_ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/octet-stream"));
+    let (opts, upload) = if upload_ct {
+        let up = crate::upload::receive(&s.data_dir.join("uploads"), &ns, &name, body)
+            .await
+            .map_err(|e| Failure::new(400, "BadRequest", e.to_string()))?;
+        let opts = ImportOptions {
+            image: up.path().to_string_lossy().into_owned(),
+            size: q.size,
+            replicas: q.replicas,
+        };
+        (opts, Some(up))
+    } else {
+        let b = axum::body::to_bytes(body, 1 << 20)
+            .await
+            .map_err(|e| Failure::new(400, "BadRequest", format!("import body: {e}")))?;
+        let opts: ImportOptions = serde_json::from_slice(&b)
+            .map_err(|e| Failure::new(400, "BadRequest", format!("import body: {e}")))?;
+        // A named host file: only from an image directory.
+        s.images
+            .resolve(&opts.image)
+            .map_err(|e| image_failure(&e))?;
+        (opts, None)
+    };
+    let images = s.images.clone();
     let (tx, rx) = mpsc::channel::<ImportProgress>(64);
     let secret_file = s.cluster.lock().await.secret_file().to_path_buf();
     let store = s.store.clone();
@@ -600,6 +642,7 @@ async fn import(
             &store,
             &secret_file,
             &tmp,
+            &images,
             &ns,
             &name,
             &opts,
@@ -607,6 +650,7 @@ async fn import(
             tx.clone(),
         )
         .await;
+        drop(upload);
         let last = match res {
             Ok(p) => p,
             Err(e) => {

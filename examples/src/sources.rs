@@ -19,12 +19,13 @@
 //! are refused with a clear condition message.
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sheaf_orchestrator::controllers::util::{condition, set_condition};
 use sheaf_orchestrator::controllers::volume::SOURCE_IMPORTED;
+use sheaf_orchestrator::images::ImagePolicy;
 use sheaf_orchestrator::resources::{ConditionStatus, Volume};
 use sheaf_orchestrator::store::{ListOptions, Store, StoreExt, UpdateScope};
 use tokio::sync::mpsc;
@@ -43,6 +44,8 @@ pub struct SourceImporter {
     pub tmp_dir: PathBuf,
     /// Import I/O metrics.
     pub metrics: Metrics,
+    /// Where image files may come from.
+    pub images: ImagePolicy,
 }
 
 #[derive(Debug, Default)]
@@ -168,15 +171,12 @@ impl SourceImporter {
         if image.starts_with("http://") || image.starts_with("https://") {
             return fail(format!(
                 "image {image}: URLs are not supported yet; give an absolute path of a raw or \
-                 qcow2 file on the cluster host"
+                 qcow2 file inside an image directory"
             ))
             .await;
         }
-        if !Path::new(image).is_absolute() {
-            return fail(format!(
-                "image {image:?}: must be an absolute path on the cluster host"
-            ))
-            .await;
+        if let Err(e) = self.images.resolve(image) {
+            return fail(e.to_string()).await;
         }
         tracing::info!(volume = %format!("{ns}/{name}"), %image, "importing the volume's image source");
         set_imported(
@@ -221,6 +221,7 @@ impl SourceImporter {
             store,
             &self.secret_file,
             &self.tmp_dir,
+            &self.images,
             ns,
             name,
             &opts,

@@ -151,7 +151,10 @@ fn image_source(dir: &Path, tmp: &Path) {
     let manifest =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("vm-image-source.yaml"))
             .unwrap()
-            .replace("/var/tmp/source-disk.img", img.to_str().unwrap());
+            .replace(
+                "/var/lib/sheaf/images/source-disk.img",
+                img.to_str().unwrap(),
+            );
     let m = tmp.join("vm-image-source.yaml");
     std::fs::write(&m, manifest).unwrap();
     kubectl(dir, &["apply", "-f", m.to_str().unwrap()]);
@@ -247,10 +250,65 @@ fn hostile_import_names(dir: &Path, tmp: &Path, image: &Path) {
         assert_eq!(code, 422, "{path}: {out}");
         assert!(out.contains("Invalid value"), "{path}: {out}");
     }
+    // Issue 18 item 2: a host file outside the image directories, or the
+    // cluster's own key inside the data dir (under the allowed temp dir),
+    // is refused before anything reads it; so is a protocol name.
+    let key = dir.join("pki/ca.key");
+    for image in [
+        key.to_str().unwrap(),
+        "/etc/shadow",
+        "json:{\"file.filename\":\"/etc/shadow\"}",
+    ] {
+        let body = format!("{{\"image\": {image:?}}}");
+        let (code, out) = common::curl_api(
+            dir,
+            "POST",
+            "/apis/subresources.sheaf.dev/v1/namespaces/default/volumes/stolen/import",
+            &body,
+        );
+        assert_eq!(code, 403, "{image}: {out}");
+        assert!(
+            out.contains("image directory") || out.contains("protocol"),
+            "{image}: {out}"
+        );
+    }
+    // The same through `spec.source.image`: the volume says why.
+    let m = dir.join("stolen.yaml");
+    std::fs::write(
+        &m,
+        format!(
+            "apiVersion: sheaf.dev/v1\nkind: Volume\nmetadata:\n  name: stolen\nspec:\n  size: 4Mi\n  replicas: 1\n  source:\n    image: {}\n",
+            key.display()
+        ),
+    )
+    .unwrap();
+    kubectl(dir, &["apply", "-f", m.to_str().unwrap()]);
+    let t0 = Instant::now();
+    loop {
+        let c = kubectl(
+            dir,
+            &[
+                "get",
+                "volume",
+                "stolen",
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Imported\")].message}",
+            ],
+        );
+        if c.contains("not inside an image directory") {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "{c}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    kubectl(dir, &["delete", "volume", "stolen"]);
     // The agents would act within a second or two: give them longer.
     std::thread::sleep(Duration::from_secs(3));
     let vols = kubectl(dir, &["get", "volumes", "-A", "-o", "name"]);
-    assert!(!vols.contains("victim") && !vols.contains(".."), "{vols}");
+    assert!(
+        !vols.contains("victim") && !vols.contains("..") && !vols.contains("stolen"),
+        "{vols}"
+    );
     assert_eq!(
         common::tree(tmp, dir),
         before,

@@ -62,6 +62,9 @@ pub struct LocalClusterConfig {
     pub zones: bool,
     /// Store backend.
     pub store: StoreKind,
+    /// Directories image sources and `kernelBoot` files may come from,
+    /// besides `<data_dir>/images` and `<data_dir>/uploads` (always allowed).
+    pub image_dirs: Vec<PathBuf>,
 }
 
 impl LocalClusterConfig {
@@ -89,7 +92,17 @@ impl LocalClusterConfig {
             node_storage_bytes: 256 << 30,
             zones: true,
             store: StoreKind::Memory,
+            image_dirs: Vec::new(),
         }
+    }
+
+    /// What image paths an API user may name: `<data_dir>/images`,
+    /// `<data_dir>/uploads` and [`LocalClusterConfig::image_dirs`], never
+    /// anything else inside the data directory (keys, tokens, replicas).
+    pub fn image_policy(&self) -> crate::images::ImagePolicy {
+        let mut roots = vec![self.data_dir.join("images"), self.data_dir.join("uploads")];
+        roots.extend(self.image_dirs.iter().cloned());
+        crate::images::ImagePolicy::new(roots, vec![self.data_dir.clone()])
     }
 }
 
@@ -243,6 +256,7 @@ impl LocalCluster {
         a.cpu_millis = self.config.node_cpu_millis;
         a.memory_bytes = self.config.node_memory_bytes;
         a.storage_bytes = self.config.node_storage_bytes;
+        a.images = self.config.image_policy();
         if self.config.zones {
             a.zone = Some(format!("zone-{idx}"));
         }

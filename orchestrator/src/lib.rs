@@ -22,6 +22,7 @@ pub mod api;
 pub mod audit;
 pub mod cluster;
 pub mod controllers;
+pub mod images;
 #[cfg(feature = "kube")]
 pub mod kube;
 pub mod launcher;

@@ -18,12 +18,14 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use bytes::Bytes;
 use clap::{Parser, Subcommand};
-use serde_json::{Value, json};
+use serde_json::json;
 use sheaf_examples::client::ApiClient;
 use sheaf_examples::cluster::{UpOptions, proc_children, start, wait_for_signal};
-use sheaf_examples::image::{ImportOptions, ImportProgress, write_probe_disk};
+use sheaf_examples::commands::{
+    console, image_import, kv, vm_verb, vmi_node, vmi_verb, wait_moved,
+};
+use sheaf_examples::image::write_probe_disk;
 use sheaf_examples::status::{Snapshot, render};
 use sheaf_orchestrator::agent::{NodeAgent, NodeAgentConfig};
 use sheaf_orchestrator::kube::KubeStore;
@@ -144,6 +146,13 @@ enum Cmd {
         /// Lease renewal period, milliseconds.
         #[arg(long, default_value_t = 500)]
         heartbeat_ms: u64,
+        /// A directory `kernelBoot.container` images may be in (repeatable).
+        #[arg(long)]
+        image_dir: Vec<PathBuf>,
+        /// A directory no image may come from, unless an --image-dir lies
+        /// inside it (repeatable; the cluster passes its data directory).
+        #[arg(long)]
+        protect_dir: Vec<PathBuf>,
     },
     /// (launcher) Serve one replica store.
     #[command(hide = true)]
@@ -177,6 +186,11 @@ enum ClusterCmd {
         /// Seconds a silent node stays Ready before its VMs fail over.
         #[arg(long, default_value_t = 3.0)]
         node_grace: f64,
+        /// A host directory images may be named from (`spec.source.image`,
+        /// `kernelBoot.container.image`), besides DATA/images and
+        /// DATA/uploads (repeatable). Nothing else on the host can be named.
+        #[arg(long, default_value = "/var/lib/sheaf/images")]
+        image_dir: Vec<PathBuf>,
     },
     /// Stop the cluster running on the data directory (SIGTERM to it).
     Down,
@@ -214,7 +228,7 @@ enum ImageCmd {
     /// DIR/initrd.img, plus DIR/disk.img carrying a marker the guest answers.
     Linux {
         /// Directory the manifest's `kernelBoot.container.image` names.
-        #[arg(default_value = "/var/lib/sheaf/linux-guest")]
+        #[arg(default_value = "/var/lib/sheaf/images/linux-guest")]
         dir: PathBuf,
         /// Marker written on the disk.
         #[arg(long, default_value = "hello-from-sheaf")]
@@ -339,6 +353,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             memory_bytes,
             storage_bytes,
             heartbeat_ms,
+            image_dir,
+            protect_dir,
         } => {
             // stderr is the node's agent.log.
             init_logs_at(None, "info")?;
@@ -354,6 +370,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cfg.memory_bytes = memory_bytes;
             cfg.storage_bytes = storage_bytes;
             cfg.heartbeat_interval = Duration::from_millis(heartbeat_ms.clamp(50, 60_000));
+            cfg.images = sheaf_orchestrator::images::ImagePolicy::new(image_dir, protect_dir);
             tokio::runtime::Runtime::new()?.block_on(run_agent(cfg, &kc))
         }
         Cmd::Cluster {
@@ -363,6 +380,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     listen,
                     netns,
                     node_grace,
+                    image_dir,
                 },
         } => {
             std::fs::create_dir_all(&data_dir)
@@ -381,6 +399,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 netns,
                 node_grace: Duration::from_secs_f64(node_grace),
                 launcher_bin: std::env::current_exe().context("locating the sheaf binary")?,
+                image_dirs: image_dir,
             };
             tokio::runtime::Runtime::new()?.block_on(cluster_up(opts))
         }
@@ -520,10 +539,6 @@ fn wait_children_gone(limit: Duration) -> Vec<i32> {
     }
 }
 
-fn kv(ns: &str) -> String {
-    format!("/apis/subresources.kubevirt.io/v1/namespaces/{ns}")
-}
-
 async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::Result<()> {
     if let Cmd::Image {
         cmd: ImageCmd::Demo {
@@ -535,6 +550,10 @@ async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::R
     {
         if *size_mib < 2 || (2048 + 8 * records) * 512 > size_mib << 20 {
             bail!("{records} records do not fit in {size_mib} MiB (the log starts at 1 MiB)");
+        }
+        if let Some(parent) = file.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
         }
         write_probe_disk(file, size_mib << 20, *records, "imported")
             .with_context(|| format!("writing {}", file.display()))?;
@@ -649,276 +668,6 @@ async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::R
         | Cmd::Agent { .. } => {}
     }
     Ok(())
-}
-
-async fn vm_verb(c: &ApiClient, ns: &str, vm: &str, verb: &str) -> anyhow::Result<()> {
-    c.json(
-        "PUT",
-        &format!("{}/virtualmachines/{vm}/{verb}", kv(ns)),
-        Some(("application/json", &json!({}))),
-    )
-    .await?;
-    let done = match verb {
-        "start" => "was scheduled to start",
-        "stop" => "was scheduled to stop",
-        _ => "was scheduled to restart",
-    };
-    println!("VM {ns}/{vm} {done}");
-    Ok(())
-}
-
-async fn vmi_verb(c: &ApiClient, ns: &str, vm: &str, verb: &str) -> anyhow::Result<()> {
-    c.json(
-        "PUT",
-        &format!("{}/virtualmachineinstances/{vm}/{verb}", kv(ns)),
-        Some(("application/json", &json!({}))),
-    )
-    .await?;
-    let done = if verb == "pause" {
-        "paused"
-    } else {
-        "unpaused"
-    };
-    println!("VMI {ns}/{vm} was {done}");
-    Ok(())
-}
-
-async fn vmi_node(c: &ApiClient, ns: &str, vm: &str) -> anyhow::Result<Option<String>> {
-    let v = c
-        .get(&format!(
-            "/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachineinstances/{vm}"
-        ))
-        .await?;
-    Ok(v["status"]["nodeName"].as_str().map(str::to_string))
-}
-
-/// Waits until VM `vm`'s instance is Running on a node other than `from`.
-async fn wait_moved(
-    c: &ApiClient,
-    ns: &str,
-    vm: &str,
-    from: Option<&str>,
-    limit: Duration,
-) -> anyhow::Result<String> {
-    let t0 = Instant::now();
-    loop {
-        let r = c
-            .send(
-                "GET",
-                &format!("/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachineinstances/{vm}"),
-                None,
-                Bytes::new(),
-            )
-            .await?;
-        if r.status == 200 {
-            let v: Value = serde_json::from_slice(&r.body)?;
-            let node = v["status"]["nodeName"].as_str();
-            if v["status"]["phase"] == "Running" && node.is_some() && node != from {
-                return Ok(node.unwrap_or_default().to_string());
-            }
-        }
-        if t0.elapsed() > limit {
-            bail!("VM {ns}/{vm} is not Running on another node after {limit:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
-/// Raw terminal mode for the console; restored on drop.
-struct RawMode(Option<libc::termios>);
-
-impl RawMode {
-    fn enter() -> RawMode {
-        // SAFETY: isatty only inspects the descriptor.
-        if unsafe { libc::isatty(0) } != 1 {
-            return RawMode(None);
-        }
-        // SAFETY: termios is plain data; tcgetattr fills it for fd 0, which is a tty.
-        let mut t: libc::termios = unsafe { std::mem::zeroed() };
-        // SAFETY: as above; `t` is a valid, writable termios.
-        if unsafe { libc::tcgetattr(0, &mut t) } != 0 {
-            return RawMode(None);
-        }
-        let old = t;
-        // SAFETY: cfmakeraw edits the struct in place.
-        unsafe { libc::cfmakeraw(&mut t) };
-        // Keep output post-processing so "\n" still returns the carriage.
-        t.c_oflag |= libc::OPOST;
-        // SAFETY: setting attributes of our own terminal from a valid struct.
-        unsafe { libc::tcsetattr(0, libc::TCSANOW, &t) };
-        RawMode(Some(old))
-    }
-}
-
-impl Drop for RawMode {
-    fn drop(&mut self) {
-        if let Some(old) = self.0 {
-            // SAFETY: restoring the attributes saved by `enter`.
-            unsafe { libc::tcsetattr(0, libc::TCSANOW, &old) };
-        }
-    }
-}
-
-async fn console(c: &ApiClient, ns: &str, vm: &str, follow: bool) -> anyhow::Result<()> {
-    let base = format!("{}/virtualmachineinstances/{vm}/console", kv(ns));
-    let path = format!("{base}?follow={follow}");
-    let (quit_tx, mut quit_rx) = tokio::sync::oneshot::channel::<()>();
-    let raw = if follow {
-        let raw = RawMode::enter();
-        eprintln!(
-            "Connected to {ns}/{vm}'s serial console. Escape sequence: Ctrl-]{}",
-            if raw.0.is_some() { "\r" } else { "" }
-        );
-        // Keystrokes (raw mode) or piped input go to the guest's serial port.
-        let (in_tx, mut in_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
-        let tty = raw.0.is_some();
-        std::thread::spawn(move || {
-            let mut b = [0u8; 256];
-            loop {
-                // SAFETY: reading from stdin into a local buffer of its length.
-                let n = unsafe { libc::read(0, b.as_mut_ptr().cast(), b.len()) };
-                let Ok(n) = usize::try_from(n) else { break };
-                if n == 0 {
-                    break;
-                }
-                let data = &b[..n];
-                if let Some(i) = data.iter().position(|&c| c == 0x1d) {
-                    let _ = in_tx.send(data[..i].to_vec());
-                    let _ = quit_tx.send(());
-                    return;
-                }
-                if in_tx.send(data.to_vec()).is_err() {
-                    return;
-                }
-            }
-            // EOF: a terminal's EOF ends the session; piped input just ends.
-            if tty {
-                let _ = quit_tx.send(());
-            }
-        });
-        let c2 = c.clone();
-        tokio::spawn(async move {
-            while let Some(mut data) = in_rx.recv().await {
-                while let Ok(more) = in_rx.try_recv() {
-                    data.extend(more);
-                }
-                if data.is_empty() {
-                    continue;
-                }
-                if let Err(e) = c2
-                    .send_checked("POST", &base, "application/octet-stream", data.into())
-                    .await
-                {
-                    eprint!("\r\n[sheaf: input not delivered: {e}]\r\n");
-                }
-            }
-        });
-        raw
-    } else {
-        RawMode(None)
-    };
-    let stream = c.stream(&path, |d| {
-        let mut out = std::io::stdout().lock();
-        let _ = out.write_all(d);
-        let _ = out.flush();
-        true
-    });
-    let res = tokio::select! {
-        r = stream => r,
-        _ = &mut quit_rx => Ok(()),
-    };
-    drop(raw);
-    if follow {
-        eprintln!();
-    }
-    res?;
-    Ok(())
-}
-
-async fn image_import(
-    c: &ApiClient,
-    ns: &str,
-    file: &Path,
-    name: Option<String>,
-    size: Option<u64>,
-    replicas: u32,
-) -> anyhow::Result<()> {
-    let abs = std::fs::canonicalize(file).with_context(|| format!("image {}", file.display()))?;
-    let name = match name {
-        Some(n) => n,
-        None => abs
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .map(|s| s.to_lowercase().replace(['_', '.', ' '], "-"))
-            .context("cannot derive a volume name; pass --name")?,
-    };
-    let body = serde_json::to_vec(&ImportOptions {
-        image: abs.to_string_lossy().into_owned(),
-        size,
-        replicas: Some(replicas),
-    })?;
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{msg:>12} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )?
-        .progress_chars("=> "),
-    );
-    bar.set_message("starting");
-    // The import answers with JSON lines, streamed as it goes.
-    let path = format!("/apis/subresources.sheaf.dev/v1/namespaces/{ns}/volumes/{name}/import");
-    let mut last: Option<ImportProgress> = None;
-    let mut pending: Vec<u8> = Vec::new();
-    let mut bad: Option<String> = None;
-    let res = c
-        .stream_request(
-            "POST",
-            &path,
-            Some("application/json"),
-            Bytes::from(body),
-            |chunk| {
-                pending.extend_from_slice(chunk);
-                while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
-                    let line: Vec<u8> = pending.drain(..=nl).collect();
-                    match serde_json::from_slice::<ImportProgress>(&line) {
-                        Ok(p) => {
-                            if p.total > 0 {
-                                bar.set_length(p.total);
-                                bar.set_position(p.done);
-                            }
-                            bar.set_message(p.phase.clone());
-                            last = Some(p);
-                        }
-                        Err(e) => {
-                            bad = Some(format!("bad progress line: {e}"));
-                            return false;
-                        }
-                    }
-                }
-                true
-            },
-        )
-        .await;
-    if let Err(e) = res {
-        bar.finish_and_clear();
-        return Err(e.into());
-    }
-    if let Some(b) = bad {
-        bar.abandon_with_message("failed");
-        bail!("{b}");
-    }
-    match last {
-        Some(p) if p.phase == "done" => {
-            bar.finish_with_message("imported");
-            println!("Volume {ns}/{name}: {}", p.message);
-            Ok(())
-        }
-        Some(p) => {
-            bar.abandon_with_message("failed");
-            bail!("import failed: {}", p.message)
-        }
-        None => bail!("import ended without a result"),
-    }
 }
 
 async fn node_cmd(c: &ApiClient, cmd: NodeCmd) -> anyhow::Result<()> {

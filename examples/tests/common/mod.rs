@@ -81,6 +81,11 @@ pub fn up(dir: &Path, netns: bool) -> Cluster {
     if netns {
         cmd.arg("--netns");
     }
+    // Images may come from the test's temp dir (which holds the data dir:
+    // the cluster must still keep that out).
+    if let Some(parent) = dir.parent() {
+        cmd.arg("--image-dir").arg(parent);
+    }
     let mut child = cmd
         .args(["--nodes", "3", "--listen"])
         .arg(format!("127.0.0.1:{port}"))

@@ -78,6 +78,10 @@ pub struct NodeAgentConfig {
     pub probe_kernel: PathBuf,
     /// Concurrent reconciles per agent controller.
     pub workers: usize,
+    /// Where `kernelBoot.container` directories may be (default: nowhere,
+    /// so only the built-in probe image boots until an operator allows a
+    /// directory).
+    pub images: crate::images::ImagePolicy,
 }
 
 impl NodeAgentConfig {
@@ -104,6 +108,7 @@ impl NodeAgentConfig {
             linux_runtime: "qemu".into(),
             probe_kernel: sheaf_vmm::probe::elf_path().to_path_buf(),
             workers: 4,
+            images: crate::images::ImagePolicy::default(),
         }
     }
 }

@@ -120,17 +120,22 @@ pub(crate) fn launch_spec(
             .container
             .as_ref()
             .ok_or("kernelBoot.container is required")?;
-        let base = std::path::Path::new(&c.image);
-        let kernel = base.join(
-            c.kernel_path
-                .as_deref()
-                .unwrap_or("vmlinuz")
-                .trim_start_matches('/'),
-        );
+        // `image` names a host directory: only inside an allowed image
+        // directory, and the kernel and initrd paths stay inside it.
+        let kernel = cfg
+            .images
+            .resolve_in(
+                &c.image,
+                "kernelPath",
+                c.kernel_path.as_deref().unwrap_or("vmlinuz"),
+            )
+            .map_err(|e| format!("kernelBoot.container: {e}"))?;
         let initrd = c
             .initrd_path
             .as_deref()
-            .map(|p| base.join(p.trim_start_matches('/')));
+            .map(|p| cfg.images.resolve_in(&c.image, "initrdPath", p))
+            .transpose()
+            .map_err(|e| format!("kernelBoot.container: {e}"))?;
         (kernel, initrd, cfg.linux_runtime.clone())
     };
     let runtime = vmi

@@ -34,6 +34,7 @@
 //!   are encrypted. For 1 MiB frames the cipher was ~18 % of all CPU of a
 //!   3-replica read on loopback (docs/frontends.md).
 
+pub mod accept;
 pub mod server;
 
 use bytes::Bytes;

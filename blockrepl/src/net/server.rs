@@ -228,12 +228,27 @@ impl ReplicaThread {
 }
 
 /// Serves a replica to authenticated engines until the listener fails.
+///
+/// An accept error for one connection, or a lack of descriptors or memory,
+/// does not stop it (see [`super::accept`]).
 pub async fn serve(listener: TcpListener, secret: Secret, replica: ReplicaThread) -> Result<()> {
+    let mut backoff = super::accept::AcceptBackoff::new();
     loop {
-        let (sock, peer) = listener.accept().await.map_err(|source| Error::Net {
-            op: "accept",
-            source,
-        })?;
+        let (sock, peer) = match listener.accept().await {
+            Ok(x) => {
+                backoff.reset();
+                x
+            }
+            Err(source) => {
+                if backoff.handle("replica", &source).await {
+                    continue;
+                }
+                return Err(Error::Net {
+                    op: "accept",
+                    source,
+                });
+            }
+        };
         let secret = secret.clone();
         let replica = replica.clone();
         tokio::spawn(async move {

@@ -252,16 +252,21 @@ impl ApiServer {
         let (stop, mut stopped) = tokio_watch::channel(false);
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
+            let mut backoff = sheaf_blockrepl::net::accept::AcceptBackoff::new();
             loop {
                 tokio::select! {
                     _ = stopped.changed() => break,
                     accepted = listener.accept() => {
                         let (tcp, peer) = match accepted {
-                            Ok(x) => x,
+                            Ok(x) => {
+                                backoff.reset();
+                                x
+                            }
                             Err(e) => {
-                                tracing::warn!(error = %e, "accept failed");
-                                tokio::time::sleep(Duration::from_millis(50)).await;
-                                continue;
+                                if backoff.handle("api", &e).await {
+                                    continue;
+                                }
+                                break;
                             }
                         };
                         let acceptor = acceptor.clone();

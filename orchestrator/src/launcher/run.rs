@@ -70,9 +70,19 @@ async fn serve_control(
     status: watch::Receiver<LauncherStatus>,
     cmds: std_mpsc::Sender<LauncherCommand>,
 ) {
+    let mut backoff = sheaf_blockrepl::net::accept::AcceptBackoff::new();
     loop {
-        let Ok((sock, _)) = listener.accept().await else {
-            return;
+        let sock = match listener.accept().await {
+            Ok((s, _)) => {
+                backoff.reset();
+                s
+            }
+            Err(e) => {
+                if backoff.handle("launcher control", &e).await {
+                    continue;
+                }
+                return;
+            }
         };
         let mut status = status.clone();
         let cmds = cmds.clone();

@@ -33,6 +33,7 @@ use super::proto::{
 };
 use crate::error::Error;
 use crate::frontend::disk::Disk;
+use crate::net::accept::AcceptBackoff;
 use crate::recvbuf::RecvBuf;
 
 /// A byte stream a connection runs over (plain socket or TLS).
@@ -276,23 +277,49 @@ impl NbdServer {
     }
 
     /// Serves connections from a unix listener until accepting fails.
+    /// (An accept error for one connection, or a lack of descriptors,
+    /// does not stop it: see [`crate::net::accept`].)
     pub async fn serve_unix(&self, listener: UnixListener) -> Result<(), NbdError> {
+        let mut backoff = AcceptBackoff::new();
         loop {
-            let (sock, _) = listener.accept().await.map_err(|source| NbdError::Io {
-                op: "accept",
-                source,
-            })?;
+            let sock = match listener.accept().await {
+                Ok((s, _)) => {
+                    backoff.reset();
+                    s
+                }
+                Err(source) => {
+                    if backoff.handle("nbd", &source).await {
+                        continue;
+                    }
+                    return Err(NbdError::Io {
+                        op: "accept",
+                        source,
+                    });
+                }
+            };
             self.spawn_connection(sock, "unix".to_string());
         }
     }
 
     /// Serves connections from a TCP listener until accepting fails.
     pub async fn serve_tcp(&self, listener: TcpListener) -> Result<(), NbdError> {
+        let mut backoff = AcceptBackoff::new();
         loop {
-            let (sock, peer) = listener.accept().await.map_err(|source| NbdError::Io {
-                op: "accept",
-                source,
-            })?;
+            let (sock, peer) = match listener.accept().await {
+                Ok(x) => {
+                    backoff.reset();
+                    x
+                }
+                Err(source) => {
+                    if backoff.handle("nbd", &source).await {
+                        continue;
+                    }
+                    return Err(NbdError::Io {
+                        op: "accept",
+                        source,
+                    });
+                }
+            };
             let _ = sock.set_nodelay(true);
             self.spawn_connection(sock, peer.to_string());
         }

@@ -79,6 +79,7 @@ impl MmioTransport {
         mem: GuestMemory,
         interrupt: VirtioInterrupt,
     ) -> std::io::Result<Self> {
+        let mut device = device;
         let mut queues = Vec::new();
         let mut queue_evts = Vec::new();
         for &max in device.queue_max_sizes() {
@@ -86,6 +87,9 @@ impl MmioTransport {
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{e:?}"))
             })?);
             queue_evts.push(EventFd::new(libc::EFD_NONBLOCK)?);
+        }
+        for (i, evt) in queue_evts.iter().enumerate() {
+            device.set_queue_waker(i, evt.try_clone()?);
         }
         Ok(MmioTransport {
             device,

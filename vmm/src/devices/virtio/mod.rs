@@ -57,6 +57,11 @@ pub trait VirtioDevice: Send {
     ) -> Result<bool, DeviceFault>;
     /// Returns to the initial state (driver wrote 0 to Status).
     fn reset(&mut self) {}
+    /// Gives the device a clone of queue `index`'s notification eventfd, to
+    /// write when work completes asynchronously (ignored by default).
+    fn set_queue_waker(&mut self, index: usize, waker: vmm_sys_util::eventfd::EventFd) {
+        let _ = (index, waker);
+    }
 }
 
 /// The interrupt line of one virtio-mmio device: the `InterruptStatus`

@@ -11,6 +11,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::VirtioInterrupt;
 use super::block::VirtioBlock;
 use super::block::backend::BlockBackend;
+use super::block::seam::AsyncBlockBackend;
 use super::mmio::{MmioTransport, status};
 use crate::devices::BusDevice;
 use crate::memory::GuestMemory;
@@ -54,16 +55,21 @@ pub struct Driver {
 impl Driver {
     /// A transport serving `backend` in `mem_size` bytes of fake guest memory.
     pub fn new(backend: Arc<dyn BlockBackend>, mem_size: usize) -> Self {
+        Self::with_device(VirtioBlock::new(backend), mem_size)
+    }
+
+    /// A transport serving an asynchronous `backend`.
+    pub fn new_async(backend: Arc<dyn AsyncBlockBackend>, mem_size: usize) -> Self {
+        Self::with_device(VirtioBlock::new_async(backend), mem_size)
+    }
+
+    fn with_device(dev: VirtioBlock, mem_size: usize) -> Self {
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), mem_size)]).expect("test memory");
         let irq = EventFd::new(libc::EFD_NONBLOCK).expect("eventfd");
         let interrupt = VirtioInterrupt::new(irq.try_clone().expect("eventfd clone"));
-        let transport = MmioTransport::new(
-            "test-blk".into(),
-            Box::new(VirtioBlock::new(backend)),
-            mem.clone(),
-            interrupt,
-        )
-        .expect("transport");
+        let transport =
+            MmioTransport::new("test-blk".into(), Box::new(dev), mem.clone(), interrupt)
+                .expect("transport");
         Driver {
             mem,
             transport,

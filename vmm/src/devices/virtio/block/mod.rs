@@ -1,8 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-//! virtio-blk over a [`BlockBackend`].
+//! virtio-blk over an [`AsyncBlockBackend`] (any [`BlockBackend`] through
+//! [`SyncAdapter`] or [`ThreadPoolBackend`]), with up to a queue's worth of
+//! requests in flight, completed in any order.
 
 pub mod backend;
 pub mod request;
+pub mod seam;
+
+use std::collections::HashMap;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -12,9 +17,11 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use self::backend::{BlockBackend, SECTOR_SIZE};
-use self::request::{DiskInfo, MAX_DISCARD_SEG, MAX_SEGMENTS, Segment};
+use self::request::{DiskInfo, MAX_DISCARD_SEG, MAX_SEGMENTS, RequestType, Segment};
+pub use self::seam::{AsyncBlockBackend, Completion, SyncAdapter, ThreadPoolBackend};
 use super::{DeviceFault, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VirtioDevice};
 use crate::memory::GuestMemory;
+use vmm_sys_util::eventfd::EventFd;
 
 /// Queue size offered.
 pub const QUEUE_SIZE: u16 = 256;
@@ -38,14 +45,25 @@ pub struct BlockStats {
     pub write_bytes: std::sync::atomic::AtomicU64,
 }
 
+/// A request handed to the backend and not yet completed.
+#[derive(Debug, Clone, Copy)]
+struct InFlight {
+    head: u16,
+    status_addr: u64,
+    ty: RequestType,
+    data_len: u64,
+}
+
 /// A virtio-blk device.
 pub struct VirtioBlock {
-    backend: Arc<dyn BlockBackend>,
+    backend: Arc<dyn AsyncBlockBackend>,
     disk: DiskInfo,
     features: u64,
     config: [u8; 60],
-    bounce: Vec<u8>,
     stats: Arc<BlockStats>,
+    in_flight: HashMap<u64, InFlight>,
+    next_token: u64,
+    reaped: Vec<Completion>,
 }
 
 impl std::fmt::Debug for VirtioBlock {
@@ -58,8 +76,13 @@ impl std::fmt::Debug for VirtioBlock {
 }
 
 impl VirtioBlock {
-    /// A device serving `backend`.
+    /// A device serving a synchronous `backend` inline on the device thread.
     pub fn new(backend: Arc<dyn BlockBackend>) -> Self {
+        Self::new_async(Arc::new(SyncAdapter::new(backend)))
+    }
+
+    /// A device serving an asynchronous `backend`.
+    pub fn new_async(backend: Arc<dyn AsyncBlockBackend>) -> Self {
         let sectors = backend.size() / SECTOR_SIZE;
         let disk = DiskInfo {
             sectors,
@@ -101,8 +124,10 @@ impl VirtioBlock {
             disk,
             features,
             config,
-            bounce: Vec::new(),
             stats: Arc::default(),
+            in_flight: HashMap::new(),
+            next_token: 0,
+            reaped: Vec::new(),
         }
     }
 
@@ -111,48 +136,94 @@ impl VirtioBlock {
         self.stats.clone()
     }
 
-    /// Handles one descriptor chain given as segments; returns the number of
-    /// bytes written to guest memory including the status byte.
-    pub fn handle_chain(
-        &mut self,
-        segs: &[Segment],
-        mem: &GuestMemory,
-    ) -> Result<u32, DeviceFault> {
-        let framed =
-            request::parse(segs, mem, &self.disk).map_err(|e| DeviceFault(e.to_string()))?;
-        let (status, written) = match &framed.request {
-            Ok(req) => {
-                let (st, w) = request::execute(
-                    req,
-                    mem,
-                    self.backend.as_ref(),
-                    &self.disk,
-                    &mut self.bounce,
-                );
-                if st == 0 {
-                    let counter = match req.ty {
-                        request::RequestType::In => Some(&self.stats.read_bytes),
-                        request::RequestType::Out => Some(&self.stats.write_bytes),
-                        _ => None,
-                    };
-                    if let Some(c) = counter {
-                        c.fetch_add(req.data_len, Ordering::Relaxed);
-                    }
-                }
-                (st, w)
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "rejected virtio-blk request");
-                (e.status(), 0)
-            }
-        };
+    /// Requests submitted and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    fn count(&self, status: u8, ty: Option<RequestType>, data_len: u64) {
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
         if status != 0 {
             self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            return;
         }
-        mem.write_obj(status, GuestAddress(framed.status_addr))
-            .map_err(|e| DeviceFault(format!("status write: {e}")))?;
-        Ok(written + 1)
+        let counter = match ty {
+            Some(RequestType::In) => &self.stats.read_bytes,
+            Some(RequestType::Out) => &self.stats.write_bytes,
+            _ => return,
+        };
+        counter.fetch_add(data_len, Ordering::Relaxed);
+    }
+
+    /// Frames one descriptor chain given as segments and submits it. A bad
+    /// request is answered at once: returns `Some(bytes written)` when the
+    /// chain is already complete, `None` when it went to the backend.
+    fn submit_chain(
+        &mut self,
+        head: u16,
+        segs: &[Segment],
+        mem: &GuestMemory,
+    ) -> Result<Option<u32>, DeviceFault> {
+        let framed =
+            request::parse(segs, mem, &self.disk).map_err(|e| DeviceFault(e.to_string()))?;
+        match framed.request {
+            Ok(req) => {
+                let token = self.next_token;
+                self.next_token = self.next_token.wrapping_add(1);
+                self.in_flight.insert(
+                    token,
+                    InFlight {
+                        head,
+                        status_addr: framed.status_addr,
+                        ty: req.ty,
+                        data_len: req.data_len,
+                    },
+                );
+                self.backend.submit(token, req, mem, self.disk);
+                Ok(None)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "rejected virtio-blk request");
+                let status = e.status();
+                self.count(status, None, 0);
+                mem.write_obj(status, GuestAddress(framed.status_addr))
+                    .map_err(|e| DeviceFault(format!("status write: {e}")))?;
+                Ok(Some(1))
+            }
+        }
+    }
+
+    /// Puts every ready completion on the used ring; returns whether any was.
+    fn complete_ready(
+        &mut self,
+        queue: &mut Queue,
+        mem: &GuestMemory,
+    ) -> Result<bool, DeviceFault> {
+        let mut done = std::mem::take(&mut self.reaped);
+        self.backend.reap(&mut done);
+        let mut used = false;
+        let mut result = Ok(());
+        for c in done.drain(..) {
+            let Some(f) = self.in_flight.remove(&c.token) else {
+                tracing::warn!(token = c.token, "completion for no request in flight");
+                continue;
+            };
+            if result.is_err() {
+                continue;
+            }
+            self.count(c.status, Some(f.ty), f.data_len);
+            result = mem
+                .write_obj(c.status, GuestAddress(f.status_addr))
+                .map_err(|e| DeviceFault(format!("status write: {e}")))
+                .and_then(|()| {
+                    queue
+                        .add_used(mem, f.head, c.written.saturating_add(1))
+                        .map_err(|e| DeviceFault(format!("add_used: {e:?}")))
+                });
+            used = true;
+        }
+        self.reaped = done;
+        result.map(|()| used)
     }
 }
 
@@ -179,17 +250,23 @@ impl VirtioDevice for VirtioBlock {
         }
     }
 
+    fn set_queue_waker(&mut self, index: usize, waker: EventFd) {
+        if index == 0 {
+            self.backend.set_waker(waker);
+        }
+    }
+
     fn process_queue(
         &mut self,
         _index: usize,
         queue: &mut Queue,
         mem: &GuestMemory,
     ) -> Result<bool, DeviceFault> {
-        let mut used = false;
-        // At most one queue's worth per call, so a guest that keeps adding
-        // requests cannot monopolise the device thread; the transport
-        // re-schedules if more are pending.
-        for _ in 0..queue.size() {
+        let mut used = self.complete_ready(queue, mem)?;
+        // At most a queue's worth in flight, so a guest that keeps adding
+        // requests cannot grow the table or monopolise the device thread;
+        // completions wake the thread (the backend's waker) to take more.
+        while self.in_flight.len() < usize::from(queue.size()) {
             let Some(chain) = queue.pop_descriptor_chain(mem) else {
                 break;
             };
@@ -205,12 +282,22 @@ impl VirtioDevice for VirtioBlock {
                     writable: d.is_write_only(),
                 });
             }
-            let len = self.handle_chain(&segs, mem)?;
-            queue
-                .add_used(mem, head, len)
-                .map_err(|e| DeviceFault(format!("add_used: {e:?}")))?;
-            used = true;
+            if let Some(len) = self.submit_chain(head, &segs, mem)? {
+                queue
+                    .add_used(mem, head, len)
+                    .map_err(|e| DeviceFault(format!("add_used: {e:?}")))?;
+                used = true;
+            }
         }
-        Ok(used)
+        Ok(self.complete_ready(queue, mem)? || used)
+    }
+
+    fn reset(&mut self) {
+        // The backend may still be filling guest buffers: wait for it, then
+        // forget the requests without touching the (reset) rings.
+        let mut done = Vec::new();
+        self.backend.drain(&mut done);
+        self.in_flight.clear();
+        self.reaped.clear();
     }
 }

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::get;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -68,6 +68,13 @@ pub struct ApiServerConfig {
     /// More routes served next to the Kubernetes API, behind the same
     /// authentication (e.g. `/metrics` and subresources of the cluster binary).
     pub extra_routes: Option<Router>,
+    /// Time a client has to complete the TLS handshake and then each
+    /// request's headers (also how long an idle keep-alive connection
+    /// stays open): a slowloris client is dropped after it.
+    pub header_read_timeout: Duration,
+    /// Open connections at most; beyond it new ones are closed at once
+    /// (and logged), so a flood cannot exhaust the server's descriptors.
+    pub max_connections: usize,
 }
 
 impl ApiServerConfig {
@@ -83,6 +90,8 @@ impl ApiServerConfig {
             watch_timeout: Duration::from_secs(1800),
             readonly_token: true,
             extra_routes: None,
+            header_read_timeout: Duration::from_secs(10),
+            max_connections: 4096,
         }
     }
 }
@@ -248,11 +257,15 @@ impl ApiServer {
         ensure_system_namespaces(store.as_ref()).await?;
         let acceptor = tokio_rustls::TlsAcceptor::from(tls.server_config()?);
         let extra = config.extra_routes.clone().unwrap_or_default();
+        let header_read_timeout = config.header_read_timeout;
+        let max_connections = config.max_connections;
         let app = router_with(ApiState::new(store, tokens.clone(), &config), extra);
         let (stop, mut stopped) = tokio_watch::channel(false);
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
             let mut backoff = sheaf_blockrepl::net::accept::AcceptBackoff::new();
+            let slots = Arc::new(tokio::sync::Semaphore::new(max_connections.max(1)));
+            let mut refused: u64 = 0;
             loop {
                 tokio::select! {
                     _ = stopped.changed() => break,
@@ -269,11 +282,21 @@ impl ApiServer {
                                 break;
                             }
                         };
+                        let Ok(slot) = slots.clone().try_acquire_owned() else {
+                            // Full: close it now (RST-free close; the client retries).
+                            refused += 1;
+                            if refused.is_power_of_two() {
+                                tracing::warn!(%peer, refused, max_connections, "connection limit reached; refusing connections");
+                            }
+                            drop(tcp);
+                            continue;
+                        };
                         let acceptor = acceptor.clone();
                         let app = app.clone();
                         conns.spawn(async move {
+                            let _slot = slot;
                             let _ = tcp.set_nodelay(true);
-                            let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
+                            let tls = match tokio::time::timeout(header_read_timeout, acceptor.accept(tcp)).await {
                                 Ok(Ok(s)) => s,
                                 Ok(Err(e)) => {
                                     tracing::debug!(%peer, error = %e, "TLS handshake failed");
@@ -282,7 +305,12 @@ impl ApiServer {
                                 Err(_) => return,
                             };
                             let svc = TowerToHyperService::new(app);
-                            if let Err(e) = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).serve_connection(TokioIo::new(tls), svc).await {
+                            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                            builder
+                                .http1()
+                                .timer(TokioTimer::new())
+                                .header_read_timeout(header_read_timeout);
+                            if let Err(e) = builder.serve_connection(TokioIo::new(tls), svc).await {
                                 tracing::debug!(%peer, error = %e, "connection ended with an error");
                             }
                         });

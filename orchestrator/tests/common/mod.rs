@@ -83,6 +83,15 @@ impl Client {
         self
     }
 
+    /// A raw TLS stream to the server (for tests that misbehave on purpose).
+    pub async fn tls_stream(&self) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+        let tcp = tokio::net::TcpStream::connect(self.addr).await.unwrap();
+        self.tls
+            .connect(ServerName::try_from("localhost").unwrap(), tcp)
+            .await
+            .unwrap()
+    }
+
     pub async fn connect(&self) -> hyper::client::conn::http1::SendRequest<Full<Bytes>> {
         let tcp = tokio::net::TcpStream::connect(self.addr).await.unwrap();
         let tls = self

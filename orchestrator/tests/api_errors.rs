@@ -438,3 +438,21 @@ async fn names_that_leave_a_directory_are_refused_on_every_route() {
     let all = ts.store.list(&gk, None, &Default::default()).await.unwrap();
     assert!(all.items.is_empty(), "{:?}", all.items);
 }
+
+/// Issue 18 item 6: an object nested deeper than can be read back (here
+/// 127-deep managedFields) is refused with 422 at write time, not stored.
+#[tokio::test]
+async fn objects_too_deep_to_read_back_are_refused() {
+    let ts = start().await;
+    let c = Client::new(&ts);
+    let mut leaf = json!("x");
+    for _ in 0..120 {
+        leaf = json!({ "f:x": leaf });
+    }
+    let mut v = vm("deep");
+    v["metadata"]["managedFields"] =
+        json!([{"manager": "m", "operation": "Apply", "fieldsV1": leaf}]);
+    let r = c.post_json(VMS, &v).await;
+    assert!((400..500).contains(&r.status), "{}", r.json());
+    assert_eq!(c.get(&format!("{VMS}/deep")).await.status, 404);
+}

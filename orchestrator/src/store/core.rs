@@ -69,6 +69,8 @@ pub(crate) struct State {
     pub objects: BTreeMap<ObjKey, Arc<Value>>,
     pub uids: HashMap<String, ObjKey>,
     pub history: VecDeque<Event>,
+    /// Records a backend could not read back when it opened (skipped).
+    pub unreadable: Vec<String>,
 }
 
 impl State {
@@ -156,6 +158,41 @@ fn spec_part(obj: &Value) -> Value {
         m.remove("kind");
     }
     v
+}
+
+/// Deepest JSON nesting an object may have. serde_json refuses to read
+/// anything deeper than 128 levels, so an object stored deeper could never
+/// be read back (the store would not reopen); refuse it at write time with
+/// a margin for the envelopes (lists, watch events) it is sent in.
+pub const MAX_OBJECT_DEPTH: usize = 100;
+
+fn depth(v: &Value) -> usize {
+    // Iterative: the value itself may be deep enough to overflow a recursion.
+    let mut max = 0;
+    let mut todo = vec![(v, 1usize)];
+    while let Some((v, d)) = todo.pop() {
+        max = max.max(d);
+        match v {
+            Value::Array(a) => todo.extend(a.iter().map(|x| (x, d + 1))),
+            Value::Object(o) => todo.extend(o.values().map(|x| (x, d + 1))),
+            _ => {}
+        }
+    }
+    max
+}
+
+fn check_depth(gk: &GroupKind, name: &str, obj: &Value) -> StoreResult<()> {
+    let d = depth(obj);
+    if d > MAX_OBJECT_DEPTH {
+        return Err(StoreError::Invalid {
+            kind: gk.clone(),
+            name: name.to_string(),
+            message: format!(
+                "object nests {d} levels deep; at most {MAX_OBJECT_DEPTH} can be stored and read back"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn random_suffix() -> String {
@@ -278,6 +315,7 @@ impl<'a> Txn<'a> {
     }
 
     fn create(&mut self, key_base: (&GroupKind, &str), mut obj: Value) -> StoreResult<Arc<Value>> {
+        check_depth(key_base.0, meta_str(&obj, "name").unwrap_or(""), &obj)?;
         let (gk, ns) = key_base;
         let name = match meta_str(&obj, "name") {
             Some(n) => n.to_string(),
@@ -457,6 +495,7 @@ impl<'a> Txn<'a> {
             self.collect_garbage(&gone)?;
             return Ok((*gone).clone());
         }
+        check_depth(&gk, &key.3, &merged)?;
         Ok((*self.put(key, merged, EventType::Modified)).clone())
     }
 
@@ -705,6 +744,10 @@ impl<B: Backend> Core<B> {
             notify,
             history_limit: history_limit.max(1),
         }
+    }
+
+    pub(crate) fn unreadable(&self) -> Vec<String> {
+        self.lock().unreadable.clone()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

@@ -17,6 +17,8 @@ use super::memory::{DEFAULT_HISTORY, impl_store};
 use super::{EventType, StoreError, StoreResult};
 
 const OBJECTS: TableDefinition<'_, &str, &[u8]> = TableDefinition::new("objects");
+#[cfg(test)]
+pub(crate) const OBJECTS_TABLE: TableDefinition<'_, &str, &[u8]> = OBJECTS;
 const EVENTS: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("events");
 const META: TableDefinition<'_, &str, u64> = TableDefinition::new("meta");
 
@@ -154,21 +156,47 @@ impl RedbStore {
             .map(|v| v.value())
             .unwrap_or(0);
         let objects = r.open_table(OBJECTS).map_err(backend_err)?;
+        // A record that cannot be read back is skipped and reported, not
+        // fatal: one bad object must not keep every other one offline.
         for item in objects.iter().map_err(backend_err)? {
             let (k, v) = item.map_err(backend_err)?;
-            let key = parse_key(k.value())
-                .ok_or_else(|| backend_err(format!("corrupt object key {:?}", k.value())))?;
-            let obj: Value = serde_json::from_slice(v.value())
-                .map_err(|e| backend_err(format!("corrupt object {:?}: {e}", k.value())))?;
-            state.insert_loaded(key, obj);
+            let parsed = parse_key(k.value())
+                .ok_or_else(|| "bad key".to_string())
+                .and_then(|key| {
+                    serde_json::from_slice::<Value>(v.value())
+                        .map(|obj| (key, obj))
+                        .map_err(|e| e.to_string())
+                });
+            match parsed {
+                Ok((key, obj)) => state.insert_loaded(key, obj),
+                Err(e) => {
+                    tracing::error!(key = %k.value(), error = %e, "store record unreadable; skipped");
+                    state
+                        .unreadable
+                        .push(format!("object {:?}: {e}", k.value()));
+                }
+            }
         }
         let evs = r.open_table(EVENTS).map_err(backend_err)?;
+        let mut bad_events = false;
         for item in evs.iter().map_err(backend_err)? {
             let (k, v) = item.map_err(backend_err)?;
-            let val: Value = serde_json::from_slice(v.value()).map_err(backend_err)?;
-            let ev = parse_event(k.value(), val)
-                .ok_or_else(|| backend_err(format!("corrupt event {}", k.value())))?;
-            state.history.push_back(ev);
+            let ev = serde_json::from_slice::<Value>(v.value())
+                .ok()
+                .and_then(|val| parse_event(k.value(), val));
+            match ev {
+                Some(ev) => state.history.push_back(ev),
+                None => {
+                    tracing::error!(rv = k.value(), "store event unreadable; skipped");
+                    state.unreadable.push(format!("event {}", k.value()));
+                    bad_events = true;
+                }
+            }
+        }
+        if bad_events {
+            // The history has a hole: watches from before now must relist.
+            state.history.clear();
+            state.compacted = state.rv;
         }
         // Keep only what the (possibly smaller) limit allows.
         while state.history.len() > events.max(1) {
@@ -177,8 +205,14 @@ impl RedbStore {
             }
         }
         drop((meta, objects, evs, r));
-        tracing::info!(path = %path.as_ref().display(), rv = state.rv, objects = state.objects.len(), "opened redb store");
+        tracing::info!(path = %path.as_ref().display(), rv = state.rv, objects = state.objects.len(), unreadable = state.unreadable.len(), "opened redb store");
         Ok(Self(Arc::new(Core::new(state, RedbBackend { db }, events))))
+    }
+
+    /// Records that could not be read back when the store opened (they are
+    /// left on disk untouched and are not served).
+    pub fn unreadable(&self) -> Vec<String> {
+        self.0.unreadable()
     }
 }
 

@@ -594,3 +594,57 @@ async fn generate_name_and_namespace_cascade() {
             .is_empty()
     );
 }
+
+fn nested(depth: usize) -> Value {
+    let mut v = json!("leaf");
+    for _ in 0..depth {
+        v = json!({ "f:x": v });
+    }
+    v
+}
+
+/// Issue 18 item 6: an object too deep to be read back is refused at write
+/// time (create and update), and a store holding an unreadable record (a
+/// 200-deep one written behind the store's back) still opens, serves every
+/// other object and reports the bad one.
+#[tokio::test]
+async fn unreadable_objects_are_refused_and_survived() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("state.redb");
+    {
+        let s = RedbStore::open(&path).unwrap();
+        let mut deep = obj("deep", json!({}));
+        deep["metadata"]["managedFields"] = json!([nested(127)]);
+        let e = s.create(&vm_kind(), "default", deep).await.unwrap_err();
+        assert!(e.to_string().contains("levels deep"), "{e}");
+        s.create(&vm_kind(), "default", obj("ok", json!({})))
+            .await
+            .unwrap();
+        let mut v = s.get(&vm_kind(), "default", "ok").await.unwrap();
+        v["spec"]["deep"] = nested(150);
+        let e = s
+            .update(&vm_kind(), "default", v, UpdateScope::All)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("levels deep"), "{e}");
+        assert!(s.unreadable().is_empty());
+    }
+    {
+        // Behind the store's back: a record serde_json cannot read (too deep).
+        let db = ::redb::Database::create(&path).unwrap();
+        let w = db.begin_write().unwrap();
+        {
+            let mut t = w.open_table(super::redb::OBJECTS_TABLE).unwrap();
+            let bad = "[".repeat(200) + &"]".repeat(200);
+            t.insert("kubevirt.io/VirtualMachine/default/bad", bad.as_bytes())
+                .unwrap();
+        }
+        w.commit().unwrap();
+    }
+    let s = RedbStore::open(&path).unwrap();
+    let bad = s.unreadable();
+    assert_eq!(bad.len(), 1, "{bad:?}");
+    assert!(bad[0].contains("default/bad"), "{bad:?}");
+    let got = s.get(&vm_kind(), "default", "ok").await.unwrap();
+    assert_eq!(got["metadata"]["name"], "ok");
+}

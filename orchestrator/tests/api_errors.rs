@@ -456,3 +456,58 @@ async fn objects_too_deep_to_read_back_are_refused() {
     assert!((400..500).contains(&r.status), "{}", r.json());
     assert_eq!(c.get(&format!("{VMS}/deep")).await.status, 404);
 }
+
+/// Issue 18 item 6: a JSON patch of repeated `copy` operations (each one
+/// doubling a subtree) is refused with 413 before the object grows, the
+/// stored object is unchanged and the server keeps serving; a patch with
+/// more operations than Kubernetes allows is refused likewise.
+#[tokio::test]
+async fn json_patch_amplification_is_refused() {
+    let ts = start().await;
+    let c = Client::new(&ts);
+    let mut v = vm("amp");
+    v["metadata"]["annotations"] = json!({"seed": "x".repeat(4096)});
+    assert_eq!(c.post_json(VMS, &v).await.status, 201);
+    let path = format!("{VMS}/amp");
+    let before = c.get(&path).await.json();
+    let mut ops =
+        vec![json!({"op": "add", "path": "/spec/template/metadata", "value": {"annotations": {}}})];
+    let mut prev = "/metadata/annotations/seed".to_string();
+    for i in 0..60 {
+        let path = format!("/spec/template/metadata/annotations/a{i}");
+        ops.push(json!({"op": "copy", "from": prev, "path": path}));
+        prev = path;
+        // Copy the whole growing map into itself: doubles each time.
+        let whole = format!("/spec/template/metadata/annotations/m{i}");
+        ops.push(
+            json!({"op": "copy", "from": "/spec/template/metadata/annotations", "path": whole}),
+        );
+    }
+    let ct = Some("application/json-patch+json");
+    let r = c
+        .req("PATCH", &path, ct, serde_json::to_vec(&ops).unwrap())
+        .await;
+    let st = assert_status(&r, 413, "RequestEntityTooLarge");
+    assert!(
+        st["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("larger than the limit"),
+        "{st}"
+    );
+    let got = c.get(&path).await.json();
+    assert_eq!(got["spec"], before["spec"]);
+    assert_eq!(
+        got["metadata"]["resourceVersion"],
+        before["metadata"]["resourceVersion"]
+    );
+
+    let ops: Vec<Value> = (0..10_001)
+        .map(|_| json!({"op": "test", "path": "/metadata/name", "value": "amp"}))
+        .collect();
+    let r = c
+        .req("PATCH", &path, ct, serde_json::to_vec(&ops).unwrap())
+        .await;
+    assert_status(&r, 413, "RequestEntityTooLarge");
+    assert_eq!(c.get(&path).await.status, 200);
+}

@@ -9,8 +9,8 @@ use serde_json::{Map, Value};
 use tokio::sync::watch;
 
 use super::{
-    DeleteOptions, EventType, GroupKind, ListOptions, ObjectList, Propagation, StoreError,
-    StoreResult, UpdateScope, WatchEvent, WatchOptions, WatchStream,
+    DeleteOptions, EventType, GroupKind, ListOptions, MAX_OBJECT_BYTES, ObjectList, Propagation,
+    StoreError, StoreResult, UpdateScope, WatchEvent, WatchOptions, WatchStream,
 };
 use crate::resources::common::now;
 
@@ -181,7 +181,16 @@ fn depth(v: &Value) -> usize {
     max
 }
 
+/// Checks that `obj` can be stored and read back: at most
+/// [`MAX_OBJECT_DEPTH`] levels deep and [`MAX_OBJECT_BYTES`] encoded.
 fn check_depth(gk: &GroupKind, name: &str, obj: &Value) -> StoreResult<()> {
+    if super::encoded_len_capped(obj, MAX_OBJECT_BYTES).is_none() {
+        return Err(StoreError::Invalid {
+            kind: gk.clone(),
+            name: name.to_string(),
+            message: format!("object is larger than the limit of {MAX_OBJECT_BYTES} bytes"),
+        });
+    }
     let d = depth(obj);
     if d > MAX_OBJECT_DEPTH {
         return Err(StoreError::Invalid {

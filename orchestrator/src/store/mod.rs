@@ -49,6 +49,35 @@ pub use selector::{FieldSelector, LabelSelector, SelectorError};
 
 use crate::resources::Resource;
 
+/// Largest object the store keeps, in bytes of its JSON encoding (above the
+/// API server's default 3 MiB request body, so anything a client can send in
+/// one request fits; a patch that would grow an object past it is refused).
+pub const MAX_OBJECT_BYTES: usize = 4 << 20;
+
+/// The length of `v` encoded as JSON, or `None` once it passes `cap` (the
+/// encoding stops there, so the cost is bounded by `cap`).
+pub fn encoded_len_capped(v: &Value, cap: usize) -> Option<usize> {
+    struct Counter {
+        n: usize,
+        cap: usize,
+    }
+    impl std::io::Write for Counter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.n = self.n.saturating_add(buf.len());
+            if self.n > self.cap {
+                return Err(std::io::Error::other("over the cap"));
+            }
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Counter { n: 0, cap };
+    serde_json::to_writer(&mut c, v).ok()?;
+    Some(c.n)
+}
+
 /// Identifies a kind in the store.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct GroupKind {

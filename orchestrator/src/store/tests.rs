@@ -648,3 +648,27 @@ async fn unreadable_objects_are_refused_and_survived() {
     let got = s.get(&vm_kind(), "default", "ok").await.unwrap();
     assert_eq!(got["metadata"]["name"], "ok");
 }
+
+/// Issue 18 item 6: an object whose encoding passes `MAX_OBJECT_BYTES` is
+/// refused on create and on update, and the stored version is kept.
+#[tokio::test]
+async fn oversized_objects_are_refused() {
+    let s = MemoryStore::new();
+    let mut big = obj("big", json!({}));
+    big["spec"]["blob"] = json!("x".repeat(super::MAX_OBJECT_BYTES));
+    let e = s.create(&vm_kind(), "default", big).await.unwrap_err();
+    assert!(e.to_string().contains("larger than the limit"), "{e}");
+    s.create(&vm_kind(), "default", obj("ok", json!({"a": "1"})))
+        .await
+        .unwrap();
+    let mut v = s.get(&vm_kind(), "default", "ok").await.unwrap();
+    v["spec"]["blob"] = json!("x".repeat(super::MAX_OBJECT_BYTES));
+    let e = s
+        .update(&vm_kind(), "default", v, UpdateScope::All)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("larger than the limit"), "{e}");
+    let got = s.get(&vm_kind(), "default", "ok").await.unwrap();
+    assert_eq!(got["metadata"]["labels"]["a"], "1");
+    assert!(got["spec"]["blob"].is_null());
+}

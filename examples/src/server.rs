@@ -463,6 +463,27 @@ struct ConsoleQuery {
     follow: Option<bool>,
 }
 
+/// Reads what `path` holds past `pos` (at most 1 MiB) and advances `pos`.
+/// A file shorter than `pos` was rotated (the console log is capped): read
+/// the new file from its start.
+async fn read_from(path: &std::path::Path, pos: &mut u64) -> Option<Bytes> {
+    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    let mut f = tokio::fs::File::open(path).await.ok()?;
+    let len = f.metadata().await.ok()?.len();
+    if len < *pos {
+        *pos = 0;
+    }
+    let want = (len - *pos).min(1 << 20);
+    if want == 0 {
+        return Some(Bytes::new());
+    }
+    f.seek(std::io::SeekFrom::Start(*pos)).await.ok()?;
+    let mut buf = Vec::with_capacity(want as usize);
+    (&mut f).take(want).read_to_end(&mut buf).await.ok()?;
+    *pos += buf.len() as u64;
+    Some(Bytes::from(buf))
+}
+
 /// Streams the serial console of an instance: what it printed so far, then
 /// (unless `follow=false`) new output until the instance ends or moves.
 async fn console(
@@ -502,14 +523,15 @@ async fn console(
         let mut idle = 0u32;
         loop {
             let path = if live.exists() { &live } else { &kept };
-            if let Ok(data) = tokio::fs::read(path).await
-                && (data.len() as u64) > pos
-            {
-                let chunk = Bytes::copy_from_slice(&data[pos as usize..]);
-                pos = data.len() as u64;
-                if tx.send(chunk).await.is_err() {
-                    return;
+            match read_from(path, &mut pos).await {
+                Some(chunk) if !chunk.is_empty() => {
+                    if tx.send(chunk).await.is_err() {
+                        return;
+                    }
+                    // More may be waiting: read again at once.
+                    continue;
                 }
+                _ => {}
             }
             if !follow || tx.is_closed() {
                 return;

@@ -18,19 +18,19 @@
 //! `frontend::vhost_user`) is the next QEMU disk path; it needs shared
 //! memory (`memory-backend-memfd`), so it is a per-runtime option later.
 
+mod console;
 pub mod qemu;
 pub mod vmm;
 
 use std::fmt;
-use std::fs::{File, OpenOptions};
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sheaf_blockrepl::frontend::Disk;
 
+pub use self::console::{ConsoleLog, DEFAULT_CONSOLE_LOG_BYTES};
 pub use self::qemu::QemuRuntime;
 pub use self::vmm::VmmRuntime;
 
@@ -68,37 +68,6 @@ pub struct AttachedDisk {
     /// Guest I/O latency of this disk, kept by runtimes that time their
     /// requests (sheaf-vmm); see [`VmRuntime::times_disk_io`].
     pub io_stats: Arc<crate::launcher::metrics::DiskIoStats>,
-}
-
-/// Where the guest's serial console goes: an append-only file the agent
-/// and the CLI read (`console`). Cheap to clone.
-#[derive(Clone, Debug)]
-pub struct ConsoleLog {
-    file: Arc<Mutex<File>>,
-    path: PathBuf,
-}
-
-impl ConsoleLog {
-    /// Opens (creates, appends to) `path`.
-    pub fn open(path: &Path) -> std::io::Result<ConsoleLog> {
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
-        Ok(ConsoleLog {
-            file: Arc::new(Mutex::new(file)),
-            path: path.to_path_buf(),
-        })
-    }
-
-    /// Appends guest output (unbuffered: a line the guest printed is in the
-    /// file before the guest continues).
-    pub fn write(&self, bytes: &[u8]) {
-        let mut f = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = f.write_all(bytes);
-    }
-
-    /// The file.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
 }
 
 /// What a runtime gets besides the spec and the disks.

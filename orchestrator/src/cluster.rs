@@ -142,15 +142,45 @@ fn setup(what: &'static str) -> impl FnOnce(String) -> ClusterError {
     move |message| ClusterError::Setup { what, message }
 }
 
-/// Creates (once) a random replication secret file, mode 0600.
+/// Creates (once) a random replication secret file: created 0600 (never
+/// readable by others, not even for a moment), written and fsynced before
+/// it is used. An existing file is kept; one readable by group or others is
+/// refused, since its key may already have leaked.
 pub fn ensure_secret(path: &Path) -> Result<Secret, ClusterError> {
-    if !path.exists() {
-        let mut b = [0u8; 32];
-        sheaf_blockrepl::net::random_bytes(&mut b).map_err(|e| setup("secret")(e.to_string()))?;
-        let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-        std::fs::write(path, hex).map_err(|e| setup("secret")(e.to_string()))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| setup("secret")(e.to_string()))?;
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt;
+    let err = |e: std::io::Error| setup("secret")(format!("{}: {e}", path.display()));
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+    {
+        Ok(mut f) => {
+            let mut b = [0u8; 32];
+            sheaf_blockrepl::net::random_bytes(&mut b)
+                .map_err(|e| setup("secret")(e.to_string()))?;
+            let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+            let written = f.write_all(hex.as_bytes()).and_then(|_| f.sync_all());
+            if let Err(e) = written {
+                let _ = std::fs::remove_file(path);
+                return Err(err(e));
+            }
+            if let Some(dir) = path.parent() {
+                let _ = std::fs::File::open(dir).and_then(|d| d.sync_all());
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let mode = std::fs::metadata(path).map_err(err)?.permissions().mode();
+            if mode & 0o077 != 0 {
+                return Err(setup("secret")(format!(
+                    "{} is readable by other users (mode {:o}); make it 0600 or remove it",
+                    path.display(),
+                    mode & 0o777
+                )));
+            }
+        }
+        Err(e) => return Err(err(e)),
     }
     Secret::from_file(path).map_err(|e| setup("secret")(e.to_string()))
 }
@@ -321,5 +351,28 @@ impl Drop for LocalCluster {
                 a.kill();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 18 item 5: the secret is 0600 from creation, kept across
+    /// calls, and an existing one that others can read is refused.
+    #[test]
+    fn secret_file_is_private_from_creation() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        ensure_secret(&path).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        let first = std::fs::read(&path).unwrap();
+        assert_eq!(first.len(), 64);
+        ensure_secret(&path).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), first, "kept, not replaced");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = ensure_secret(&path).unwrap_err().to_string();
+        assert!(e.contains("readable by other users"), "{e}");
     }
 }

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// One file of a replica store.
@@ -250,6 +250,8 @@ impl StoreDir for StdDir {
             .write(true)
             .create(create)
             .truncate(false)
+            // Replica data is the guest's disk: owner only, from creation.
+            .mode(0o600)
             .open(self.path.join(name))?;
         Ok(Box::new(StdFile { file }))
     }

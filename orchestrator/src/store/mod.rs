@@ -32,6 +32,7 @@
 //! one redb transaction before it becomes visible.
 
 mod core;
+mod lock;
 pub mod memory;
 pub mod redb;
 pub mod selector;
@@ -43,6 +44,7 @@ use async_trait::async_trait;
 use futures::Stream;
 use serde_json::Value;
 
+pub use lock::LOCK_FILE;
 pub use memory::MemoryStore;
 pub use redb::RedbStore;
 pub use selector::{FieldSelector, LabelSelector, SelectorError};

@@ -76,6 +76,8 @@ fn parse_event(rv: u64, v: Value) -> Option<Event> {
 #[derive(Debug)]
 pub(crate) struct RedbBackend {
     db: Database,
+    /// The directory lock, held while the store is open.
+    _lock: std::fs::File,
 }
 
 impl Backend for RedbBackend {
@@ -132,6 +134,12 @@ impl RedbStore {
 
     /// Opens (or creates) the store at `path`, keeping `events` events for watches.
     pub fn open_with_history(path: impl AsRef<Path>, events: usize) -> StoreResult<Self> {
+        let dir = match path.as_ref().parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => Path::new("."),
+        };
+        let lock = super::lock::lock_dir(dir)?;
+        super::lock::private_file(path.as_ref())?;
         let db = Database::create(path.as_ref()).map_err(backend_err)?;
         let mut state = State::default();
         {
@@ -206,7 +214,11 @@ impl RedbStore {
         }
         drop((meta, objects, evs, r));
         tracing::info!(path = %path.as_ref().display(), rv = state.rv, objects = state.objects.len(), unreadable = state.unreadable.len(), "opened redb store");
-        Ok(Self(Arc::new(Core::new(state, RedbBackend { db }, events))))
+        Ok(Self(Arc::new(Core::new(
+            state,
+            RedbBackend { db, _lock: lock },
+            events,
+        ))))
     }
 
     /// Records that could not be read back when the store opened (they are

@@ -672,3 +672,25 @@ async fn oversized_objects_are_refused() {
     assert_eq!(got["metadata"]["labels"]["a"], "1");
     assert!(got["spec"]["blob"].is_null());
 }
+
+/// Issue 18 item 5: the store file is 0600 from creation, and a second
+/// opener of the same store directory is refused while the first holds it
+/// (and gets it once the first is closed).
+#[tokio::test]
+async fn store_file_is_private_and_the_directory_is_locked() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store.redb");
+    let s = RedbStore::open(&path).unwrap();
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let e = RedbStore::open(dir.path().join("other.redb")).unwrap_err();
+    let msg = e.to_string();
+    assert!(msg.contains("already open in another process"), "{msg}");
+    assert!(msg.contains(&std::process::id().to_string()), "{msg}");
+    drop(s);
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let _s = RedbStore::open(&path).unwrap();
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "an existing store file is made private");
+}

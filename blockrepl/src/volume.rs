@@ -314,8 +314,16 @@ impl Volume {
         tokio::spawn(d.run(rx, local_rx, remote_rx, cfg.tick));
         let wait = async {
             loop {
-                if *phase_rx.borrow_and_update() == Phase::Running {
-                    return Ok(());
+                match *phase_rx.borrow_and_update() {
+                    Phase::Running => return Ok(()),
+                    Phase::Fenced => {
+                        return Err(Error::Attach {
+                            reason: "fenced while attaching: a replica holds a newer epoch, \
+                                     or the largest one"
+                                .into(),
+                        });
+                    }
+                    _ => {}
                 }
                 if phase_rx.changed().await.is_err() {
                     return Err(Error::Attach {

@@ -134,3 +134,35 @@ fn blocking_volume_from_a_plain_thread() {
     });
     t.join().unwrap();
 }
+
+/// Issue 18 item 6: epochs never wrap. A control plane asking for an epoch
+/// above u64::MAX (here `min_epoch = u64::MAX`) gets a clear attach error at
+/// once instead of an engine that wraps to epoch 0 — which every fenced
+/// engine would outrank — and the replica still attaches normally after.
+#[tokio::test]
+async fn epoch_at_its_maximum_refuses_to_attach_and_never_wraps() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("r0");
+    create_replica(&p, 1 << 20).unwrap();
+    let vol = Volume::attach(VolumeConfig::local(&p)).await.unwrap();
+    vol.write(0, block(7)).await.unwrap();
+    vol.flush().await.unwrap();
+    vol.detach().await.unwrap();
+    let mut cfg = VolumeConfig::local(&p);
+    cfg.min_epoch = u64::MAX;
+    cfg.attach_timeout = std::time::Duration::from_secs(30);
+    let t = std::time::Instant::now();
+    let e = match Volume::attach(cfg).await {
+        Ok(_) => panic!("attached above u64::MAX"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("fenced while attaching"), "{e}");
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(20),
+        "not a timeout: {e}"
+    );
+    let vol = Volume::attach(VolumeConfig::local(&p)).await.unwrap();
+    let r = vol.read(0, 4096).await.unwrap();
+    assert_eq!(&r[..], &[7u8; 4096][..]);
+    vol.detach().await.unwrap();
+}

@@ -229,7 +229,16 @@ impl NodeLifecycleController {
                 volume: key.clone(),
                 message: "no fencer configured (ControlPlaneConfig::replication_secret)".into(),
             })?;
-        let want = vol.status.as_ref().and_then(|s| s.epoch).unwrap_or(0) + 1;
+        let want = vol
+            .status
+            .as_ref()
+            .and_then(|s| s.epoch)
+            .unwrap_or(0)
+            .checked_add(1)
+            .ok_or_else(|| ControllerError::Fence {
+                volume: key.clone(),
+                message: format!("the volume is at the largest epoch ({})", u64::MAX),
+            })?;
         let got = fencer
             .fence(vol, want)
             .await

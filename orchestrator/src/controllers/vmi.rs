@@ -417,6 +417,7 @@ impl VmiController {
         let vmi_uid = uid(vmi).to_string();
         let instance = ns_name(vmi);
         let mut refused = None;
+        let mut exhausted = false;
         let node_s = node.to_string();
         let updated: Volume = self
             .ctx
@@ -436,7 +437,13 @@ impl VmiController {
                             return;
                         }
                     }
-                    let epoch = st.epoch.unwrap_or(0) + 1;
+                    // A status someone wrote at u64::MAX has no next
+                    // epoch: refuse rather than wrap to 0 (which would
+                    // unfence every older engine).
+                    let Some(epoch) = st.epoch.unwrap_or(0).checked_add(1) else {
+                        exhausted = true;
+                        return;
+                    };
                     st.epoch = Some(epoch);
                     st.attachment = Some(Attachment {
                         node_name: node_s.clone(),
@@ -453,6 +460,13 @@ impl VmiController {
             return Err(ControllerError::Invalid(format!(
                 "volume {} was attached to {other} meanwhile",
                 ns_name(vol)
+            )));
+        }
+        if exhausted {
+            return Err(ControllerError::Invalid(format!(
+                "volume {} is at the largest epoch ({}); it cannot be attached again",
+                ns_name(vol),
+                u64::MAX
             )));
         }
         debug!(volume = %ns_name(&updated), node, epoch = ?updated.status.as_ref().and_then(|s| s.epoch), "attached");

@@ -230,7 +230,24 @@ impl Engine {
             .filter_map(|p| p.info.as_ref().map(|i| i.epoch))
             .max()
             .unwrap_or(0);
-        self.epoch = max.max(self.cfg.min_epoch) + 1;
+        // A replica (or a control plane) claiming u64::MAX leaves no epoch
+        // above it: refuse to attach rather than wrap to 0, which would
+        // let every fenced engine write again.
+        let Some(epoch) = max.max(self.cfg.min_epoch).checked_add(1) else {
+            warn!(
+                engine = self.cfg.engine_id,
+                "no epoch above u64::MAX; refusing to attach"
+            );
+            self.phase = Phase::Fenced;
+            self.fail_all(|| Error::Attach {
+                reason: format!(
+                    "a replica holds the largest epoch ({}); no newer one exists",
+                    u64::MAX
+                ),
+            });
+            return;
+        };
+        self.epoch = epoch;
         self.phase = Phase::Attaching;
         info!(epoch = self.epoch, engine = self.cfg.engine_id, "attaching");
         for r in 0..self.peers.len() {

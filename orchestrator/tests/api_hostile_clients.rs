@@ -138,3 +138,57 @@ async fn a_connection_flood_is_bounded_and_the_server_recovers() {
     assert!(after <= base + FLOOD + 64, "{base} -> {after}");
     drop(flood);
 }
+
+/// Issue 18 item 6: per-client limits. A client over its request rate gets
+/// 429 with `Retry-After` (a Kubernetes Status), then is served again once
+/// its bucket refills; a client guessing tokens gets 429 instead of 401
+/// after the failure cap, while the valid token from the same address is
+/// still served.
+#[tokio::test]
+async fn clients_over_their_rate_or_guessing_tokens_get_429() {
+    use sheaf_orchestrator::api::ratelimit::RateLimits;
+    let ts = start_with(Arc::new(MemoryStore::new()), |c| {
+        c.rate_limits = RateLimits {
+            requests_per_sec: 20.0,
+            burst: 20.0,
+            failed_auth_per_min: 5,
+        };
+    })
+    .await;
+    let c = Client::new(&ts);
+    let path = "/apis/kubevirt.io/v1/namespaces/default/virtualmachines";
+    let mut codes = Vec::new();
+    for _ in 0..60 {
+        let r = c.get(path).await;
+        if r.status == 429 {
+            let retry: u64 = r.headers["retry-after"].to_str().unwrap().parse().unwrap();
+            assert!(retry >= 1, "{retry}");
+            let s = r.json();
+            assert_eq!(s["kind"], "Status");
+            assert_eq!(s["reason"], "TooManyRequests", "{s}");
+        }
+        codes.push(r.status);
+    }
+    let limited = codes.iter().filter(|&&c| c == 429).count();
+    assert!(limited > 0, "no request was limited: {codes:?}");
+    assert!(codes.iter().all(|&c| c == 200 || c == 429), "{codes:?}");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(
+        c.get(path).await.status,
+        200,
+        "served again after refilling"
+    );
+
+    let bad = Client::new(&ts).with_token(Some("not-the-token"));
+    let mut codes = Vec::new();
+    for _ in 0..8 {
+        codes.push(bad.get(path).await.status);
+    }
+    assert_eq!(&codes[..5], &[401; 5], "{codes:?}");
+    assert!(codes[5..].iter().all(|&c| c == 429), "{codes:?}");
+    assert_eq!(
+        c.get(path).await.status,
+        200,
+        "the valid token is not locked out"
+    );
+}

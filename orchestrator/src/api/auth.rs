@@ -6,6 +6,7 @@ use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
+use super::ratelimit::ClientAddr;
 use super::{ApiError, ApiState};
 
 /// Who a request runs as.
@@ -43,6 +44,20 @@ fn is_public(path: &str) -> bool {
 
 /// Middleware: 401 without a valid token, 403 for writes by the read-only role.
 pub async fn authenticate(State(state): State<ApiState>, req: Request, next: Next) -> Response {
+    let client = req.extensions().get::<ClientAddr>().map(|c| c.0);
+    if let Some(ip) = client
+        && let Err(t) = state.limiter.request(ip)
+    {
+        tracing::debug!(%ip, "client over its request rate");
+        return ApiError::too_many_requests(
+            format!(
+                "too many requests from {ip}; retry after {} s",
+                t.retry_after_secs
+            ),
+            t.retry_after_secs,
+        )
+        .into_response();
+    }
     if is_public(req.uri().path()) {
         return next.run(req).await;
     }
@@ -57,6 +72,19 @@ pub async fn authenticate(State(state): State<ApiState>, req: Request, next: Nex
         .map(str::trim);
     let Some(role) = token.and_then(|t| role_of(&state, t)) else {
         tracing::debug!(path = %req.uri().path(), "refused unauthenticated request");
+        if let Some(ip) = client {
+            if let Err(t) = state.limiter.auth_allowed(ip) {
+                return ApiError::too_many_requests(
+                    format!(
+                        "too many failed authentications from {ip}; retry after {} s",
+                        t.retry_after_secs
+                    ),
+                    t.retry_after_secs,
+                )
+                .into_response();
+            }
+            state.limiter.auth_failed(ip);
+        }
         return ApiError::unauthorized().into_response();
     };
     if role == Role::ReadOnly

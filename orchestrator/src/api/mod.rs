@@ -18,6 +18,7 @@ mod auth;
 pub mod discovery;
 mod handlers;
 pub mod patch;
+pub mod ratelimit;
 mod status;
 pub mod table;
 pub mod tls;
@@ -31,7 +32,6 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::get;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::service::TowerToHyperService;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::watch as tokio_watch;
@@ -75,6 +75,9 @@ pub struct ApiServerConfig {
     /// Open connections at most; beyond it new ones are closed at once
     /// (and logged), so a flood cannot exhaust the server's descriptors.
     pub max_connections: usize,
+    /// Per-client (per IP address) request rate and failed-authentication
+    /// limits; see [`ratelimit::RateLimits`].
+    pub rate_limits: ratelimit::RateLimits,
 }
 
 impl ApiServerConfig {
@@ -92,6 +95,7 @@ impl ApiServerConfig {
             extra_routes: None,
             header_read_timeout: Duration::from_secs(10),
             max_connections: 4096,
+            rate_limits: ratelimit::RateLimits::default(),
         }
     }
 }
@@ -136,6 +140,7 @@ pub struct ApiState {
     max_body: usize,
     bookmark_interval: Duration,
     watch_timeout: Duration,
+    limiter: Arc<ratelimit::ClientLimiter>,
 }
 
 impl ApiState {
@@ -151,6 +156,7 @@ impl ApiState {
             max_body: config.max_body_bytes,
             bookmark_interval: config.bookmark_interval,
             watch_timeout: config.watch_timeout,
+            limiter: Arc::new(ratelimit::ClientLimiter::new(config.rate_limits)),
         }
     }
 }
@@ -304,7 +310,11 @@ impl ApiServer {
                                 }
                                 Err(_) => return,
                             };
-                            let svc = TowerToHyperService::new(app);
+                            let client = ratelimit::ClientAddr(peer.ip());
+                            let svc = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                                req.extensions_mut().insert(client);
+                                tower::ServiceExt::oneshot(app.clone(), req)
+                            });
                             let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
                             builder
                                 .http1()

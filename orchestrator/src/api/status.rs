@@ -92,6 +92,11 @@ impl ApiError {
             format!("the request body is larger than the limit of {limit} bytes"),
         )
     }
+    /// 429 TooManyRequests, with `Retry-After: retry_after_secs`.
+    pub fn too_many_requests(message: impl Into<String>, retry_after_secs: u64) -> Self {
+        Self::new(429, "TooManyRequests", message)
+            .with_details(json!({"retryAfterSeconds": retry_after_secs}))
+    }
     /// 415 UnsupportedMediaType.
     pub fn unsupported_media(ct: &str, allowed: &[&str]) -> Self {
         Self::new(
@@ -210,6 +215,16 @@ impl IntoResponse for ApiError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if self.code == 429
+            && let Some(secs) = self
+                .details
+                .as_ref()
+                .and_then(|d| d.get("retryAfterSeconds"))
+                .and_then(Value::as_u64)
+        {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
         if self.code == 401 {
             r.headers_mut().insert(
                 header::WWW_AUTHENTICATE,

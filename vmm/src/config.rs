@@ -59,6 +59,17 @@ pub enum ConfigError {
     /// A disk id is longer than virtio-blk's 20-byte id field.
     #[error("disk id {0:?} is longer than 20 bytes")]
     DiskIdTooLong(String),
+    /// A disk's `io_threads` is zero or above [`MAX_IO_THREADS`].
+    #[error("disk {path:?}: io_threads must be between 1 and {MAX_IO_THREADS}, got {got}")]
+    IoThreads {
+        /// The disk's path.
+        path: PathBuf,
+        /// The value given.
+        got: u16,
+    },
+    /// `io_threads` set for an engine that does not use threads.
+    #[error("disk {0:?}: io_threads only applies to io_engine \"threads\" or \"auto\"")]
+    IoThreadsUnused(PathBuf),
     /// The serial ring buffer capacity is zero or above 64 MiB.
     #[error("serial ring capacity must be between 1 byte and 64 MiB, got {0}")]
     SerialRing(usize),
@@ -136,6 +147,28 @@ pub struct KernelConfig {
     pub cmdline_virtio_devices: bool,
 }
 
+/// Most worker threads one disk may have with [`IoEngine::Threads`].
+pub const MAX_IO_THREADS: u16 = 64;
+/// Worker threads per disk with [`IoEngine::Threads`] when not configured.
+pub const DEFAULT_IO_THREADS: u16 = 4;
+
+/// How a file-backed disk performs its I/O.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IoEngine {
+    /// io_uring when the host kernel allows it, else `threads` (with a
+    /// warning in the log).
+    #[default]
+    Auto,
+    /// Inline on the VM's device thread, one request at a time.
+    Sync,
+    /// A pool of worker threads doing blocking positional I/O.
+    Threads,
+    /// io_uring (O_DIRECT when the file system allows it); fails to start
+    /// the VM when the kernel refuses io_uring.
+    IoUring,
+}
+
 /// A virtio-blk disk backed by a host file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -149,6 +182,13 @@ pub struct DiskConfig {
     /// defaults to the file name.
     #[serde(default)]
     pub id: Option<String>,
+    /// I/O engine.
+    #[serde(default)]
+    pub io_engine: IoEngine,
+    /// Worker threads for [`IoEngine::Threads`] (and the `auto` fallback);
+    /// default [`DEFAULT_IO_THREADS`].
+    #[serde(default)]
+    pub io_threads: Option<u16>,
 }
 
 /// Where the guest's serial console output (COM1) goes. Output is also
@@ -254,6 +294,17 @@ impl VmConfig {
                     return Err(ConfigError::DuplicateDiskId(id.clone()));
                 }
             }
+            if let Some(n) = d.io_threads {
+                if !matches!(d.io_engine, IoEngine::Threads | IoEngine::Auto) {
+                    return Err(ConfigError::IoThreadsUnused(d.path.clone()));
+                }
+                if n == 0 || n > MAX_IO_THREADS {
+                    return Err(ConfigError::IoThreads {
+                        path: d.path.clone(),
+                        got: n,
+                    });
+                }
+            }
         }
         if self.serial_ring_bytes == 0 || self.serial_ring_bytes > 64 << 20 {
             return Err(ConfigError::SerialRing(self.serial_ring_bytes));
@@ -325,6 +376,8 @@ impl VmConfigBuilder {
             path: path.into(),
             read_only: false,
             id: None,
+            io_engine: IoEngine::default(),
+            io_threads: None,
         });
         self
     }
@@ -375,6 +428,8 @@ mod tests {
             path: "x".into(),
             read_only: false,
             id: Some("same".into()),
+            io_engine: IoEngine::Auto,
+            io_threads: None,
         };
         assert_eq!(
             base().disk_config(d.clone()).disk_config(d).build(),
@@ -385,6 +440,56 @@ mod tests {
             b = b.disk("d");
         }
         assert_eq!(b.build(), Err(ConfigError::TooManyDevices(17)));
+        let disk = |io_engine, io_threads| DiskConfig {
+            path: "p".into(),
+            read_only: false,
+            id: None,
+            io_engine,
+            io_threads,
+        };
+        assert_eq!(
+            base().disk_config(disk(IoEngine::Threads, Some(0))).build(),
+            Err(ConfigError::IoThreads {
+                path: "p".into(),
+                got: 0
+            })
+        );
+        assert_eq!(
+            base()
+                .disk_config(disk(IoEngine::Threads, Some(65)))
+                .build(),
+            Err(ConfigError::IoThreads {
+                path: "p".into(),
+                got: 65
+            })
+        );
+        assert_eq!(
+            base().disk_config(disk(IoEngine::IoUring, Some(2))).build(),
+            Err(ConfigError::IoThreadsUnused("p".into()))
+        );
+        assert!(
+            base()
+                .disk_config(disk(IoEngine::Threads, Some(64)))
+                .build()
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn disk_io_engine_parses_and_defaults_to_auto() {
+        let old: DiskConfig = serde_json::from_str(r#"{"path":"/d"}"#).unwrap();
+        assert_eq!(old.io_engine, IoEngine::Auto);
+        assert_eq!(old.io_threads, None);
+        let d: DiskConfig =
+            serde_json::from_str(r#"{"path":"/d","io_engine":"io_uring"}"#).unwrap();
+        assert_eq!(d.io_engine, IoEngine::IoUring);
+        let d: DiskConfig =
+            serde_json::from_str(r#"{"path":"/d","io_engine":"threads","io_threads":8}"#).unwrap();
+        assert_eq!((d.io_engine, d.io_threads), (IoEngine::Threads, Some(8)));
+        let err = serde_json::from_str::<DiskConfig>(r#"{"path":"/d","io_engine":"aio"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown variant `aio`"), "{err}");
     }
 
     #[test]

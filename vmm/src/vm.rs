@@ -34,8 +34,8 @@ use crate::config::{SerialConfig, VmConfig};
 use crate::devices::legacy::{AcpiPm, DebugExit, I8042};
 use crate::devices::serial::{ConsoleRing, SerialDevice, SerialOut, SerialSink};
 use crate::devices::virtio::VirtioInterrupt;
-use crate::devices::virtio::block::backend::{BlockBackend, FileBackend};
-use crate::devices::virtio::block::{BlockStats, VirtioBlock};
+use crate::devices::virtio::block::backend::BlockBackend;
+use crate::devices::virtio::block::{self, AsyncBlockBackend, BlockStats, VirtioBlock};
 use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY};
 use crate::devices::{Bus, DeviceError};
 use crate::error::{Error, Result};
@@ -349,17 +349,22 @@ impl Vm {
         );
 
         // Disks: config first, then run-time backends.
-        let mut backends: Vec<Arc<dyn BlockBackend>> = Vec::new();
+        let mut backends: Vec<Arc<dyn AsyncBlockBackend>> = Vec::new();
         for d in &config.disks {
-            let b = FileBackend::open(&d.path, d.read_only, d.id.clone()).map_err(|source| {
-                DeviceError::OpenDisk {
-                    path: d.path.display().to_string(),
-                    source,
-                }
+            let b = block::engine::open_disk(d).map_err(|source| DeviceError::OpenDisk {
+                path: d.path.display().to_string(),
+                source,
             })?;
-            backends.push(Arc::new(b));
+            backends.push(b);
         }
-        backends.extend(extra_disks);
+        for b in extra_disks {
+            let id = b.device_id();
+            let b = block::engine::pooled(b).map_err(|source| DeviceError::OpenDisk {
+                path: format!("backend {id:?}"),
+                source,
+            })?;
+            backends.push(b);
+        }
         let mut transports = Vec::new();
         let mut acpi_devs = Vec::new();
         let mut block_stats = Vec::new();
@@ -367,7 +372,7 @@ impl Vm {
         for (i, backend) in backends.into_iter().enumerate() {
             let (base, irq) = layout::virtio_mmio_window(i);
             let interrupt = VirtioInterrupt::new(irqfd(&vm_fd, irq)?);
-            let dev = VirtioBlock::new(backend);
+            let dev = VirtioBlock::new_async(backend);
             block_stats.push(dev.stats());
             let t = MmioTransport::new(
                 format!("virtio-blk{i}"),

@@ -4,8 +4,10 @@
 //! requests in flight, completed in any order.
 
 pub mod backend;
+pub mod engine;
 pub mod request;
 pub mod seam;
+pub mod uring;
 
 use std::collections::HashMap;
 
@@ -19,6 +21,7 @@ use vm_memory::{Bytes, GuestAddress};
 use self::backend::{BlockBackend, SECTOR_SIZE};
 use self::request::{DiskInfo, MAX_DISCARD_SEG, MAX_SEGMENTS, RequestType, Segment};
 pub use self::seam::{AsyncBlockBackend, Completion, SyncAdapter, ThreadPoolBackend};
+pub use self::uring::IoUringBackend;
 use super::{DeviceFault, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VirtioDevice};
 use crate::memory::GuestMemory;
 use vmm_sys_util::eventfd::EventFd;

@@ -111,8 +111,16 @@ pub struct VmMetrics {
 /// Attaches run-time objects to a [`VmConfig`] and creates the [`Vm`].
 pub struct VmBuilder {
     config: VmConfig,
-    disks: Vec<Arc<dyn BlockBackend>>,
+    disks: Vec<ExtraDisk>,
     serial: Option<SerialSink>,
+}
+
+/// A disk attached at run time.
+enum ExtraDisk {
+    /// Served on a [`block::ThreadPoolBackend`].
+    Sync(Arc<dyn BlockBackend>),
+    /// Served as is.
+    Async(Arc<dyn AsyncBlockBackend>),
 }
 
 impl fmt::Debug for VmBuilder {
@@ -127,8 +135,16 @@ impl fmt::Debug for VmBuilder {
 
 impl VmBuilder {
     /// Adds a virtio-blk disk served by `backend`, after the config's disks.
+    /// The device thread never calls `backend` itself: requests run on a
+    /// pool of worker threads.
     pub fn disk_backend(mut self, backend: Arc<dyn BlockBackend>) -> Self {
-        self.disks.push(backend);
+        self.disks.push(ExtraDisk::Sync(backend));
+        self
+    }
+
+    /// Adds a virtio-blk disk served by an asynchronous `backend`.
+    pub fn async_disk_backend(mut self, backend: Arc<dyn AsyncBlockBackend>) -> Self {
+        self.disks.push(ExtraDisk::Async(backend));
         self
     }
 
@@ -357,13 +373,17 @@ impl Vm {
             })?;
             backends.push(b);
         }
-        for b in extra_disks {
-            let id = b.device_id();
-            let b = block::engine::pooled(b).map_err(|source| DeviceError::OpenDisk {
-                path: format!("backend {id:?}"),
-                source,
-            })?;
-            backends.push(b);
+        for d in extra_disks {
+            backends.push(match d {
+                ExtraDisk::Async(b) => b,
+                ExtraDisk::Sync(b) => {
+                    let id = b.device_id();
+                    block::engine::pooled(b).map_err(|source| DeviceError::OpenDisk {
+                        path: format!("backend {id:?}"),
+                        source,
+                    })?
+                }
+            });
         }
         let mut transports = Vec::new();
         let mut acpi_devs = Vec::new();

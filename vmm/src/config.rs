@@ -67,6 +67,14 @@ pub enum ConfigError {
         /// The value given.
         got: u16,
     },
+    /// A disk's `queues` is zero or above the device's maximum.
+    #[error("disk {path:?}: queues must be between 1 and 16, got {got}")]
+    Queues {
+        /// The disk's path.
+        path: PathBuf,
+        /// The value given.
+        got: u16,
+    },
     /// `io_threads` set for an engine that does not use threads.
     #[error("disk {0:?}: io_threads only applies to io_engine \"threads\" or \"auto\"")]
     IoThreadsUnused(PathBuf),
@@ -189,6 +197,10 @@ pub struct DiskConfig {
     /// default [`DEFAULT_IO_THREADS`].
     #[serde(default)]
     pub io_threads: Option<u16>,
+    /// virtio-blk request queues (`VIRTIO_BLK_F_MQ` when above 1), 1..=16;
+    /// default 1.
+    #[serde(default)]
+    pub queues: Option<u16>,
 }
 
 /// Where the guest's serial console output (COM1) goes. Output is also
@@ -294,6 +306,14 @@ impl VmConfig {
                     return Err(ConfigError::DuplicateDiskId(id.clone()));
                 }
             }
+            if let Some(n) = d.queues
+                && !(1..=16).contains(&n)
+            {
+                return Err(ConfigError::Queues {
+                    path: d.path.clone(),
+                    got: n,
+                });
+            }
             if let Some(n) = d.io_threads {
                 if !matches!(d.io_engine, IoEngine::Threads | IoEngine::Auto) {
                     return Err(ConfigError::IoThreadsUnused(d.path.clone()));
@@ -378,6 +398,7 @@ impl VmConfigBuilder {
             id: None,
             io_engine: IoEngine::default(),
             io_threads: None,
+            queues: None,
         });
         self
     }
@@ -430,6 +451,7 @@ mod tests {
             id: Some("same".into()),
             io_engine: IoEngine::Auto,
             io_threads: None,
+            queues: None,
         };
         assert_eq!(
             base().disk_config(d.clone()).disk_config(d).build(),
@@ -446,6 +468,7 @@ mod tests {
             id: None,
             io_engine,
             io_threads,
+            queues: None,
         };
         assert_eq!(
             base().disk_config(disk(IoEngine::Threads, Some(0))).build(),
@@ -467,6 +490,19 @@ mod tests {
             base().disk_config(disk(IoEngine::IoUring, Some(2))).build(),
             Err(ConfigError::IoThreadsUnused("p".into()))
         );
+        let mut q = disk(IoEngine::Auto, None);
+        q.queues = Some(17);
+        assert_eq!(
+            base().disk_config(q.clone()).build(),
+            Err(ConfigError::Queues {
+                path: "p".into(),
+                got: 17
+            })
+        );
+        q.queues = Some(0);
+        assert!(base().disk_config(q.clone()).build().is_err());
+        q.queues = Some(16);
+        assert!(base().disk_config(q).build().is_ok());
         assert!(
             base()
                 .disk_config(disk(IoEngine::Threads, Some(64)))

@@ -365,34 +365,37 @@ impl Vm {
         );
 
         // Disks: config first, then run-time backends.
-        let mut backends: Vec<Arc<dyn AsyncBlockBackend>> = Vec::new();
+        let mut backends: Vec<(Arc<dyn AsyncBlockBackend>, u16)> = Vec::new();
         for d in &config.disks {
             let b = block::engine::open_disk(d).map_err(|source| DeviceError::OpenDisk {
                 path: d.path.display().to_string(),
                 source,
             })?;
-            backends.push(b);
+            backends.push((b, d.queues.unwrap_or(1)));
         }
         for d in extra_disks {
-            backends.push(match d {
-                ExtraDisk::Async(b) => b,
-                ExtraDisk::Sync(b) => {
-                    let id = b.device_id();
-                    block::engine::pooled(b).map_err(|source| DeviceError::OpenDisk {
-                        path: format!("backend {id:?}"),
-                        source,
-                    })?
-                }
-            });
+            backends.push((
+                match d {
+                    ExtraDisk::Async(b) => b,
+                    ExtraDisk::Sync(b) => {
+                        let id = b.device_id();
+                        block::engine::pooled(b).map_err(|source| DeviceError::OpenDisk {
+                            path: format!("backend {id:?}"),
+                            source,
+                        })?
+                    }
+                },
+                1,
+            ));
         }
         let mut transports = Vec::new();
         let mut acpi_devs = Vec::new();
         let mut block_stats = Vec::new();
         let mut cmdline = config.kernel.cmdline.clone();
-        for (i, backend) in backends.into_iter().enumerate() {
+        for (i, (backend, queues)) in backends.into_iter().enumerate() {
             let (base, irq) = layout::virtio_mmio_window(i);
             let interrupt = VirtioInterrupt::new(irqfd(&vm_fd, irq)?);
-            let dev = VirtioBlock::new_async(backend);
+            let dev = VirtioBlock::new_multiqueue(backend, queues);
             block_stats.push(dev.stats());
             let t = MmioTransport::new(
                 format!("virtio-blk{i}"),

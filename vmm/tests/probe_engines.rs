@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use sheaf_vmm::{DiskConfig, ExitReason, IoEngine, Vm, VmConfig, probe};
 
-fn boot_with(engine: IoEngine, io_threads: Option<u16>) {
+fn boot_with(engine: IoEngine, io_threads: Option<u16>, queues: Option<u16>) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("probe.img");
     let mut data = vec![0u8; 1 << 20];
@@ -27,6 +27,7 @@ fn boot_with(engine: IoEngine, io_threads: Option<u16>) {
             id: Some("probe-disk-7".into()),
             io_engine: engine,
             io_threads,
+            queues,
         })
         .build()
         .unwrap();
@@ -68,8 +69,8 @@ fn probe_guest_drives_a_file_disk_on_every_io_engine() {
         eprintln!("SKIP: /dev/kvm is absent; probe guest tests need KVM");
         return;
     }
-    boot_with(IoEngine::Auto, None);
-    boot_with(IoEngine::IoUring, None);
-    boot_with(IoEngine::Threads, Some(2));
-    boot_with(IoEngine::Sync, None);
+    boot_with(IoEngine::Auto, None, None);
+    boot_with(IoEngine::IoUring, None, Some(4));
+    boot_with(IoEngine::Threads, Some(2), Some(2));
+    boot_with(IoEngine::Sync, None, None);
 }

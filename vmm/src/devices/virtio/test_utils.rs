@@ -63,7 +63,8 @@ impl Driver {
         Self::with_device(VirtioBlock::new_async(backend), mem_size)
     }
 
-    fn with_device(dev: VirtioBlock, mem_size: usize) -> Self {
+    /// A transport serving `dev`.
+    pub fn with_device(dev: VirtioBlock, mem_size: usize) -> Self {
         let mem = GuestMemory::from_ranges(&[(GuestAddress(0), mem_size)]).expect("test memory");
         let irq = EventFd::new(libc::EFD_NONBLOCK).expect("eventfd");
         let interrupt = VirtioInterrupt::new(irq.try_clone().expect("eventfd clone"));

@@ -34,6 +34,8 @@ pub const DEVICE_TYPE_BLOCK: u32 = 2;
 pub const SEG_MAX: u32 = QUEUE_SIZE as u32 - 2;
 /// `size_max` advertised.
 pub const SIZE_MAX: u32 = 1 << 20;
+/// Most request queues one device offers (`VIRTIO_BLK_F_MQ`).
+pub const MAX_QUEUES: u16 = 16;
 
 /// Per-device counters, readable while the VM runs.
 #[derive(Debug, Default)]
@@ -51,6 +53,7 @@ pub struct BlockStats {
 /// A request handed to the backend and not yet completed.
 #[derive(Debug, Clone, Copy)]
 struct InFlight {
+    queue: usize,
     head: u16,
     status_addr: u64,
     ty: RequestType,
@@ -67,6 +70,17 @@ pub struct VirtioBlock {
     in_flight: HashMap<u64, InFlight>,
     next_token: u64,
     reaped: Vec<Completion>,
+    queue_sizes: Vec<u16>,
+    /// Per queue: requests in flight, completions reaped while serving
+    /// another queue, and the queue's notify eventfd.
+    per_queue: Vec<PerQueue>,
+}
+
+#[derive(Default)]
+struct PerQueue {
+    in_flight: usize,
+    stash: Vec<Completion>,
+    waker: Option<EventFd>,
 }
 
 impl std::fmt::Debug for VirtioBlock {
@@ -86,6 +100,14 @@ impl VirtioBlock {
 
     /// A device serving an asynchronous `backend`.
     pub fn new_async(backend: Arc<dyn AsyncBlockBackend>) -> Self {
+        Self::new_multiqueue(backend, 1)
+    }
+
+    /// A device with `queues` request queues (clamped to 1..=[`MAX_QUEUES`];
+    /// more than one offers `VIRTIO_BLK_F_MQ`) over one `backend`.
+    /// Completions are put on the queue their request came from.
+    pub fn new_multiqueue(backend: Arc<dyn AsyncBlockBackend>, queues: u16) -> Self {
+        let queues = queues.clamp(1, MAX_QUEUES);
         let sectors = backend.size() / SECTOR_SIZE;
         let disk = DiskInfo {
             sectors,
@@ -108,6 +130,9 @@ impl VirtioBlock {
         if disk.write_zeroes {
             features |= 1 << VIRTIO_BLK_F_WRITE_ZEROES;
         }
+        if queues > 1 {
+            features |= 1 << VIRTIO_BLK_F_MQ;
+        }
         let mut config = [0u8; 60];
         let mut put =
             |off: usize, bytes: &[u8]| config[off..off + bytes.len()].copy_from_slice(bytes);
@@ -115,6 +140,7 @@ impl VirtioBlock {
         put(8, &SIZE_MAX.to_le_bytes());
         put(12, &SEG_MAX.to_le_bytes());
         put(20, &(SECTOR_SIZE as u32).to_le_bytes());
+        put(34, &queues.to_le_bytes());
         let max_sectors = u32::MAX / SECTOR_SIZE as u32;
         put(36, &max_sectors.to_le_bytes());
         put(40, &MAX_DISCARD_SEG.to_le_bytes());
@@ -131,6 +157,8 @@ impl VirtioBlock {
             in_flight: HashMap::new(),
             next_token: 0,
             reaped: Vec::new(),
+            queue_sizes: vec![QUEUE_SIZE; usize::from(queues)],
+            per_queue: (0..queues).map(|_| PerQueue::default()).collect(),
         }
     }
 
@@ -163,6 +191,7 @@ impl VirtioBlock {
     /// chain is already complete, `None` when it went to the backend.
     fn submit_chain(
         &mut self,
+        queue: usize,
         head: u16,
         segs: &[Segment],
         mem: &GuestMemory,
@@ -176,12 +205,16 @@ impl VirtioBlock {
                 self.in_flight.insert(
                     token,
                     InFlight {
+                        queue,
                         head,
                         status_addr: framed.status_addr,
                         ty: req.ty,
                         data_len: req.data_len,
                     },
                 );
+                if let Some(q) = self.per_queue.get_mut(queue) {
+                    q.in_flight += 1;
+                }
                 self.backend.submit(token, req, mem, self.disk);
                 Ok(None)
             }
@@ -199,18 +232,35 @@ impl VirtioBlock {
     /// Puts every ready completion on the used ring; returns whether any was.
     fn complete_ready(
         &mut self,
+        index: usize,
         queue: &mut Queue,
         mem: &GuestMemory,
     ) -> Result<bool, DeviceFault> {
         let mut done = std::mem::take(&mut self.reaped);
+        if let Some(q) = self.per_queue.get_mut(index) {
+            done.append(&mut q.stash);
+        }
         self.backend.reap(&mut done);
         let mut used = false;
         let mut result = Ok(());
+        let mut wake = Vec::new();
         for c in done.drain(..) {
-            let Some(f) = self.in_flight.remove(&c.token) else {
+            let Some(f) = self.in_flight.get(&c.token).copied() else {
                 tracing::warn!(token = c.token, "completion for no request in flight");
                 continue;
             };
+            if f.queue != index {
+                // Another queue's request: hand it over and wake that queue.
+                if let Some(q) = self.per_queue.get_mut(f.queue) {
+                    q.stash.push(c);
+                    wake.push(f.queue);
+                }
+                continue;
+            }
+            self.in_flight.remove(&c.token);
+            if let Some(q) = self.per_queue.get_mut(index) {
+                q.in_flight = q.in_flight.saturating_sub(1);
+            }
             if result.is_err() {
                 continue;
             }
@@ -226,6 +276,14 @@ impl VirtioBlock {
             used = true;
         }
         self.reaped = done;
+        wake.dedup();
+        for q in wake {
+            if let Some(w) = self.per_queue.get(q).and_then(|q| q.waker.as_ref())
+                && let Err(e) = w.write(1)
+            {
+                tracing::warn!(error = %e, queue = q, "virtio-blk queue wake-up failed");
+            }
+        }
         result.map(|()| used)
     }
 }
@@ -236,7 +294,7 @@ impl VirtioDevice for VirtioBlock {
     }
 
     fn queue_max_sizes(&self) -> &[u16] {
-        &[QUEUE_SIZE]
+        &self.queue_sizes
     }
 
     fn features(&self) -> u64 {
@@ -254,22 +312,31 @@ impl VirtioDevice for VirtioBlock {
     }
 
     fn set_queue_waker(&mut self, index: usize, waker: EventFd) {
-        if index == 0 {
-            self.backend.set_waker(waker);
+        if index == 0
+            && let Ok(w) = waker.try_clone()
+        {
+            self.backend.set_waker(w);
+        }
+        if let Some(q) = self.per_queue.get_mut(index) {
+            q.waker = Some(waker);
         }
     }
 
     fn process_queue(
         &mut self,
-        _index: usize,
+        index: usize,
         queue: &mut Queue,
         mem: &GuestMemory,
     ) -> Result<bool, DeviceFault> {
-        let mut used = self.complete_ready(queue, mem)?;
+        let mut used = self.complete_ready(index, queue, mem)?;
         // At most a queue's worth in flight, so a guest that keeps adding
         // requests cannot grow the table or monopolise the device thread;
         // completions wake the thread (the backend's waker) to take more.
-        while self.in_flight.len() < usize::from(queue.size()) {
+        while self
+            .per_queue
+            .get(index)
+            .is_some_and(|q| q.in_flight < usize::from(queue.size()))
+        {
             let Some(chain) = queue.pop_descriptor_chain(mem) else {
                 break;
             };
@@ -285,14 +352,14 @@ impl VirtioDevice for VirtioBlock {
                     writable: d.is_write_only(),
                 });
             }
-            if let Some(len) = self.submit_chain(head, &segs, mem)? {
+            if let Some(len) = self.submit_chain(index, head, &segs, mem)? {
                 queue
                     .add_used(mem, head, len)
                     .map_err(|e| DeviceFault(format!("add_used: {e:?}")))?;
                 used = true;
             }
         }
-        Ok(self.complete_ready(queue, mem)? || used)
+        Ok(self.complete_ready(index, queue, mem)? || used)
     }
 
     fn reset(&mut self) {
@@ -302,5 +369,9 @@ impl VirtioDevice for VirtioBlock {
         self.backend.drain(&mut done);
         self.in_flight.clear();
         self.reaped.clear();
+        for q in &mut self.per_queue {
+            q.in_flight = 0;
+            q.stash.clear();
+        }
     }
 }

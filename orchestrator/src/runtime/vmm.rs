@@ -1,13 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 //! The sheaf-vmm runtime: the VM runs inside the launcher process on
 //! `/dev/kvm`; each volume is a virtio-blk disk served in process through
-//! blockrepl's `VolumeBackend`.
+//! blockrepl's `AsyncVolumeBackend`: every guest request is a task on the
+//! volume engine's runtime, so up to a queue's worth are in flight and no
+//! device thread waits for the replicas.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sheaf_blockrepl::frontend::vmm::VolumeBackend;
-use sheaf_vmm::{BlockBackend, BootProtocol, ExitReason, SerialSink, Vm, VmConfig, VmState};
+use sheaf_blockrepl::frontend::vmm::{AsyncVolumeBackend, VolumeBackend};
+use sheaf_vmm::devices::virtio::block::request::{DiskInfo, Request, RequestType};
+use sheaf_vmm::devices::virtio::block::{AsyncBlockBackend, Completion};
+use sheaf_vmm::memory::GuestMemory;
+use sheaf_vmm::{BootProtocol, ExitReason, SerialSink, Vm, VmConfig, VmState};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::launcher::metrics::{DiskIoStats, OpHistogram};
 
@@ -31,26 +38,61 @@ impl std::fmt::Debug for VmmVm {
     }
 }
 
-/// Times every request the guest makes to a volume (guest I/O latency:
-/// the engine's replication included, the virtqueue excluded).
-#[derive(Debug)]
+/// Times every request the guest makes to a volume from submission to
+/// completion (guest I/O latency: the engine's replication included, the
+/// virtqueue excluded), requests in flight overlapping.
 struct TimedBackend {
-    inner: VolumeBackend,
+    inner: AsyncVolumeBackend,
     stats: Arc<DiskIoStats>,
+    /// token → (start, which histogram, bytes).
+    started: Mutex<HashMap<u64, (Instant, Op, u64)>>,
 }
 
-fn timed<T>(
-    h: &OpHistogram,
-    bytes: u64,
-    f: impl FnOnce() -> std::io::Result<T>,
-) -> std::io::Result<T> {
-    let t0 = Instant::now();
-    let r = f();
-    h.observe(t0.elapsed(), bytes, r.is_ok());
-    r
+impl std::fmt::Debug for TimedBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TimedBackend").finish_non_exhaustive()
+    }
 }
 
-impl BlockBackend for TimedBackend {
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Read,
+    Write,
+    Flush,
+}
+
+impl TimedBackend {
+    fn new(inner: AsyncVolumeBackend, stats: Arc<DiskIoStats>) -> Self {
+        TimedBackend {
+            inner,
+            stats,
+            started: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn histogram(&self, op: Op) -> &OpHistogram {
+        match op {
+            Op::Read => &self.stats.read,
+            Op::Write => &self.stats.write,
+            Op::Flush => &self.stats.flush,
+        }
+    }
+
+    /// Observes the completions `out[from..]`.
+    fn observe(&self, out: &[Completion]) {
+        let now = Instant::now();
+        let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());
+        for c in out {
+            if let Some((t0, op, bytes)) = started.remove(&c.token) {
+                let ok = u32::from(c.status) == virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK;
+                self.histogram(op)
+                    .observe(now.duration_since(t0), bytes, ok);
+            }
+        }
+    }
+}
+
+impl AsyncBlockBackend for TimedBackend {
     fn size(&self) -> u64 {
         self.inner.size()
     }
@@ -60,31 +102,41 @@ impl BlockBackend for TimedBackend {
     fn device_id(&self) -> String {
         self.inner.device_id()
     }
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        let n = buf.len() as u64;
-        timed(&self.stats.read, n, || self.inner.read_at(offset, buf))
-    }
-    fn write_at(&self, offset: u64, buf: &[u8]) -> std::io::Result<()> {
-        timed(&self.stats.write, buf.len() as u64, || {
-            self.inner.write_at(offset, buf)
-        })
-    }
-    fn flush(&self) -> std::io::Result<()> {
-        timed(&self.stats.flush, 0, || self.inner.flush())
-    }
     fn supports_discard(&self) -> bool {
         self.inner.supports_discard()
-    }
-    fn discard(&self, offset: u64, len: u64) -> std::io::Result<()> {
-        timed(&self.stats.write, 0, || self.inner.discard(offset, len))
     }
     fn supports_write_zeroes(&self) -> bool {
         self.inner.supports_write_zeroes()
     }
-    fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool) -> std::io::Result<()> {
-        timed(&self.stats.write, len, || {
-            self.inner.write_zeroes(offset, len, may_unmap)
-        })
+    fn set_waker(&self, waker: EventFd) {
+        self.inner.set_waker(waker)
+    }
+    fn submit(&self, token: u64, req: Request, mem: &GuestMemory, disk: DiskInfo) {
+        let timed = match req.ty {
+            RequestType::In => Some((Op::Read, req.data_len)),
+            RequestType::Out => Some((Op::Write, req.data_len)),
+            // The data of these is a range list, not the bytes they change.
+            RequestType::Discard | RequestType::WriteZeroes => Some((Op::Write, 0)),
+            RequestType::Flush => Some((Op::Flush, 0)),
+            RequestType::GetId | RequestType::Unsupported(_) => None,
+        };
+        if let Some((op, bytes)) = timed {
+            self.started
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(token, (Instant::now(), op, bytes));
+        }
+        self.inner.submit(token, req, mem, disk)
+    }
+    fn reap(&self, out: &mut Vec<Completion>) {
+        let from = out.len();
+        self.inner.reap(out);
+        self.observe(&out[from..]);
+    }
+    fn drain(&self, out: &mut Vec<Completion>) {
+        let from = out.len();
+        self.inner.drain(out);
+        self.observe(&out[from..]);
     }
 }
 
@@ -128,10 +180,10 @@ impl VmRuntime for VmmRuntime {
         for d in disks {
             let backend =
                 VolumeBackend::new(d.disk, ctx.io.clone(), &d.serial).with_read_only(d.read_only);
-            vb = vb.disk_backend(Arc::new(TimedBackend {
-                inner: backend,
-                stats: d.io_stats,
-            }));
+            vb = vb.async_disk_backend(Arc::new(TimedBackend::new(
+                backend.into_async(),
+                d.io_stats,
+            )));
         }
         let console = ctx.console.clone();
         vb = vb.serial_sink(SerialSink::Callback(Box::new(move |b: &[u8]| {

@@ -632,9 +632,18 @@ async fn import(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("application/octet-stream"));
     let (opts, upload) = if upload_ct {
-        let up = crate::upload::receive(&s.data_dir.join("uploads"), &ns, &name, body)
-            .await
-            .map_err(|e| Failure::new(400, "BadRequest", e.to_string()))?;
+        let up = crate::upload::receive(
+            &s.data_dir.join("uploads"),
+            &ns,
+            &name,
+            body,
+            crate::upload::UploadLimits::default(),
+        )
+        .await
+        .map_err(|e| {
+            let (code, reason) = e.http_status();
+            Failure::new(code, reason, e.to_string())
+        })?;
         let opts = ImportOptions {
             image: up.path().to_string_lossy().into_owned(),
             size: q.size,

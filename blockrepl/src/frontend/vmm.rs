@@ -27,7 +27,9 @@ use std::io;
 use std::sync::{Arc, Condvar, Mutex};
 
 use bytes::Bytes;
-use sheaf_vmm::devices::virtio::block::request::{DiskInfo, Request, RequestType, Segment};
+use sheaf_vmm::devices::virtio::block::request::{
+    ByteRange, DiskInfo, Request, RequestType, Segment, read_ranges,
+};
 use sheaf_vmm::devices::virtio::block::{AsyncBlockBackend, Completion};
 use sheaf_vmm::memory::GuestMemory;
 use sheaf_vmm::{BlockBackend, SECTOR_SIZE};
@@ -325,32 +327,6 @@ async fn run_rw(disk: &Disk, req: &Request, mem: &GuestMemory) -> crate::Result<
     })
 }
 
-/// The (offset, len) byte ranges of a discard / write-zeroes, or `None`
-/// when one is out of range or carries unknown flags.
-fn ranges(req: &Request, mem: &GuestMemory, info: &DiskInfo) -> Option<Vec<(u64, u64)>> {
-    let mut raw = Vec::with_capacity(req.data_len as usize);
-    for s in &req.data {
-        let at = raw.len();
-        raw.resize(at + s.len as usize, 0);
-        mem.read_slice(&mut raw[at..], GuestAddress(s.addr)).ok()?;
-    }
-    let mut out = Vec::new();
-    for r in raw.chunks_exact(16) {
-        let le = |a: usize, b: usize| {
-            r[a..b]
-                .iter()
-                .rev()
-                .fold(0u64, |v, &x| v << 8 | u64::from(x))
-        };
-        let (sector, num, flags) = (le(0, 8), le(8, 12), le(12, 16));
-        if sector.checked_add(num).is_none_or(|e| e > info.sectors) || flags & !1 != 0 {
-            return None;
-        }
-        out.push((sector * SECTOR_SIZE, num * SECTOR_SIZE));
-    }
-    Some(out)
-}
-
 impl AsyncBlockBackend for AsyncVolumeBackend {
     fn size(&self) -> u64 {
         self.disk.size()
@@ -452,14 +428,17 @@ impl AsyncBlockBackend for AsyncVolumeBackend {
                 });
             }
             RequestType::Discard | RequestType::WriteZeroes => {
-                let Some(rs) = ranges(&req, &mem, &info) else {
+                let Ok(rs) = read_ranges(&req, &mem, &info) else {
                     fin.set(ioerr);
                     return;
                 };
                 let zero = req.ty == RequestType::WriteZeroes;
                 self.rt.spawn(async move {
                     let mut r = Ok(0);
-                    for (off, len) in rs {
+                    for ByteRange {
+                        offset: off, len, ..
+                    } in rs
+                    {
                         let step = if zero {
                             disk.write_zeroes(off, len).await
                         } else {

@@ -319,6 +319,51 @@ fn guest_err(e: vm_memory::GuestMemoryError) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, e)
 }
 
+/// One range of a discard / write-zeroes request, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteRange {
+    /// Start offset.
+    pub offset: u64,
+    /// Length.
+    pub len: u64,
+    /// `VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP`: the zeroes may be a hole.
+    pub unmap: bool,
+}
+
+/// Reads the 16-byte range descriptors of a discard / write-zeroes request
+/// from guest memory; a range past the disk or with unknown flags is an
+/// `InvalidInput` error. Shared by every backend, so all of them check
+/// guest ranges the same way.
+pub fn read_ranges(
+    req: &Request,
+    mem: &GuestMemory,
+    disk: &DiskInfo,
+) -> io::Result<Vec<ByteRange>> {
+    let mut raw = Vec::with_capacity(req.data_len as usize);
+    for s in &req.data {
+        let start = raw.len();
+        raw.resize(start + s.len as usize, 0);
+        mem.read_slice(&mut raw[start..], GuestAddress(s.addr))
+            .map_err(guest_err)?;
+    }
+    let mut out = Vec::with_capacity(raw.len() / 16);
+    for r in raw.chunks_exact(16) {
+        let sector = u64::from_le_bytes(r[0..8].try_into().unwrap_or_default());
+        let num = u32::from_le_bytes(r[8..12].try_into().unwrap_or_default());
+        let flags = u32::from_le_bytes(r[12..16].try_into().unwrap_or_default());
+        let end = sector.checked_add(u64::from(num));
+        if end.is_none_or(|e| e > disk.sectors) || flags & !1 != 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad range"));
+        }
+        out.push(ByteRange {
+            offset: sector * SECTOR_SIZE,
+            len: u64::from(num) * SECTOR_SIZE,
+            unmap: flags & 1 != 0,
+        });
+    }
+    Ok(out)
+}
+
 fn run(
     req: &Request,
     mem: &GuestMemory,
@@ -379,27 +424,11 @@ fn run(
             Ok(written)
         }
         RequestType::Discard | RequestType::WriteZeroes => {
-            // Gather the 16-byte range descriptors (at most MAX_DISCARD_SEG).
-            let mut raw = Vec::with_capacity(req.data_len as usize);
-            for s in &req.data {
-                let start = raw.len();
-                raw.resize(start + s.len as usize, 0);
-                mem.read_slice(&mut raw[start..], GuestAddress(s.addr))
-                    .map_err(guest_err)?;
-            }
-            for r in raw.chunks_exact(16) {
-                let sector = u64::from_le_bytes(r[0..8].try_into().unwrap_or_default());
-                let num = u32::from_le_bytes(r[8..12].try_into().unwrap_or_default());
-                let flags = u32::from_le_bytes(r[12..16].try_into().unwrap_or_default());
-                let end = sector.checked_add(u64::from(num));
-                if end.is_none_or(|e| e > disk.sectors) || flags & !1 != 0 {
-                    return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad range"));
-                }
-                let (off, len) = (sector * SECTOR_SIZE, u64::from(num) * SECTOR_SIZE);
+            for r in read_ranges(req, mem, disk)? {
                 if req.ty == RequestType::Discard {
-                    backend.discard(off, len)?;
+                    backend.discard(r.offset, r.len)?;
                 } else {
-                    backend.write_zeroes(off, len, flags & 1 != 0)?;
+                    backend.write_zeroes(r.offset, r.len, r.unmap)?;
                 }
             }
             Ok(0)

@@ -33,7 +33,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::backend::SECTOR_SIZE;
-use super::request::{DiskInfo, Request, RequestType};
+use super::request::{DiskInfo, Request, RequestType, read_ranges};
 use super::seam::{AsyncBlockBackend, Completion};
 use crate::memory::GuestMemory;
 
@@ -439,27 +439,9 @@ impl IoUringBackend {
         disk: &DiskInfo,
     ) -> Result<Vec<Op>, u8> {
         let ioerr = VIRTIO_BLK_S_IOERR as u8;
-        let mut raw = Vec::with_capacity(req.data_len as usize);
-        for s in &req.data {
-            let at = raw.len();
-            raw.resize(at + s.len as usize, 0);
-            mem.read_slice(&mut raw[at..], GuestAddress(s.addr))
-                .map_err(|_| ioerr)?;
-        }
         let mut ops = Vec::new();
-        for r in raw.chunks_exact(16) {
-            let word = |a: usize, b: usize| {
-                r[a..b]
-                    .iter()
-                    .rev()
-                    .fold(0u64, |v, &x| v << 8 | u64::from(x))
-            };
-            let (sector, num, flags) = (word(0, 8), word(8, 12), word(12, 16));
-            let end = sector.checked_add(num);
-            if end.is_none_or(|e| e > disk.sectors) || flags & !1 != 0 {
-                return Err(ioerr);
-            }
-            let mode = if req.ty == RequestType::Discard || flags & 1 != 0 {
+        for r in read_ranges(req, mem, disk).map_err(|_| ioerr)? {
+            let mode = if req.ty == RequestType::Discard || r.unmap {
                 libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
             } else {
                 libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
@@ -468,8 +450,8 @@ impl IoUringBackend {
                 token,
                 Kind::Fallocate {
                     mode,
-                    off: sector * SECTOR_SIZE,
-                    len: num * SECTOR_SIZE,
+                    off: r.offset,
+                    len: r.len,
                 },
             ));
         }

@@ -180,20 +180,10 @@ fn status(d: &Driver, i: u16) -> u8 {
     d.mem.read_obj(GuestAddress(slot(i) + 0x100)).unwrap()
 }
 
+/// Plays the device thread until `want` used entries are there.
 fn run_until_used(d: &mut Driver, want: u16) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while d.used_idx() != want {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "only {} of {want} completed",
-            d.used_idx()
-        );
-        if d.transport.queue_evts()[0].read().is_ok() {
-            d.transport.notify(0);
-        } else {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
+    let done = d.run_until_used(want, Duration::from_secs(30));
+    assert!(done, "only {} of {want} completed", d.used_idx());
 }
 
 fn async_backend(cluster: &Cluster, rt: &tokio::runtime::Runtime) -> (Disk, AsyncVolumeBackend) {

@@ -121,21 +121,10 @@ fn status_of(d: &Driver, i: u16) -> u8 {
     d.mem.read_obj(GuestAddress(slot(i) + 0x800)).unwrap()
 }
 
-/// Plays the device thread: on every completion wake-up, process the queue.
+/// Plays the device thread until `want` used entries are there.
 fn run_until_used(d: &mut Driver, want: u16) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while d.used_idx() != want {
-        assert!(
-            Instant::now() < deadline,
-            "only {} of {want} completed",
-            d.used_idx()
-        );
-        if d.transport.queue_evts()[0].read().is_ok() {
-            d.transport.notify(0);
-        } else {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
+    let done = d.run_until_used(want, Duration::from_secs(20));
+    assert!(done, "only {} of {want} completed", d.used_idx());
 }
 
 fn ready(backend: Arc<Latency>, threads: usize) -> Driver {

@@ -9,7 +9,7 @@
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sheaf_vmm::FileBackend;
 use sheaf_vmm::devices::virtio::block::{
@@ -168,19 +168,8 @@ fn status_of(d: &Driver, i: u16) -> u8 {
 
 /// Plays the device thread until `want` used entries are there.
 fn run_until_used(d: &mut Driver, want: u16) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while d.used_idx() != want {
-        assert!(
-            Instant::now() < deadline,
-            "only {} of {want} completed",
-            d.used_idx()
-        );
-        if d.transport.queue_evts()[0].read().is_ok() {
-            d.transport.notify(0);
-        } else {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
+    let done = d.run_until_used(want, Duration::from_secs(20));
+    assert!(done, "only {} of {want} completed", d.used_idx());
 }
 
 /// A random request in region `i` of 32: sector range and two buffer

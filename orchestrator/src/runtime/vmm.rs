@@ -78,7 +78,7 @@ impl TimedBackend {
         }
     }
 
-    /// Observes the completions `out[from..]`.
+    /// Records the latency of each completion in `out`.
     fn observe(&self, out: &[Completion]) {
         let now = Instant::now();
         let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());

@@ -183,7 +183,7 @@ fn depth(v: &Value) -> usize {
 
 /// Checks that `obj` can be stored and read back: at most
 /// [`MAX_OBJECT_DEPTH`] levels deep and [`MAX_OBJECT_BYTES`] encoded.
-fn check_depth(gk: &GroupKind, name: &str, obj: &Value) -> StoreResult<()> {
+fn check_storable(gk: &GroupKind, name: &str, obj: &Value) -> StoreResult<()> {
     if super::encoded_len_capped(obj, MAX_OBJECT_BYTES).is_none() {
         return Err(StoreError::Invalid {
             kind: gk.clone(),
@@ -324,7 +324,7 @@ impl<'a> Txn<'a> {
     }
 
     fn create(&mut self, key_base: (&GroupKind, &str), mut obj: Value) -> StoreResult<Arc<Value>> {
-        check_depth(key_base.0, meta_str(&obj, "name").unwrap_or(""), &obj)?;
+        check_storable(key_base.0, meta_str(&obj, "name").unwrap_or(""), &obj)?;
         let (gk, ns) = key_base;
         let name = match meta_str(&obj, "name") {
             Some(n) => n.to_string(),
@@ -504,7 +504,7 @@ impl<'a> Txn<'a> {
             self.collect_garbage(&gone)?;
             return Ok((*gone).clone());
         }
-        check_depth(&gk, &key.3, &merged)?;
+        check_storable(&gk, &key.3, &merged)?;
         Ok((*self.put(key, merged, EventType::Modified)).clone())
     }
 

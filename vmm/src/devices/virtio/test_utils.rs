@@ -146,6 +146,24 @@ impl Driver {
         let _ = self.mem.write_obj(idx, GuestAddress(AVAIL + 2));
     }
 
+    /// Plays the device thread until the used ring's index is `want`: on
+    /// every wake-up of queue 0's notify eventfd (guest kick or backend
+    /// completion) the queue is processed. False if `timeout` passes first.
+    pub fn run_until_used(&mut self, want: u16, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while self.used_idx() != want {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            if self.transport.queue_evts()[0].read().is_ok() {
+                self.transport.notify(0);
+            } else {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+        true
+    }
+
     /// The used ring's index.
     pub fn used_idx(&self) -> u16 {
         self.mem.read_obj(GuestAddress(USED + 2)).unwrap_or(0)

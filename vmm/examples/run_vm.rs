@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //! Boots a kernel with sheaf-vmm, console on stdout:
-//! `run_vm KERNEL [INITRAMFS|-] [CMDLINE] [DISK...]` (env: MEM_MIB, VCPUS,
-//! VIRTIO_CMDLINE=1 to also list virtio-mmio devices on the command line,
+//! `run_vm KERNEL [INITRAMFS|-] [CMDLINE] [DISK...]`, or
+//! `run_vm --from-disk [-] [CMDLINE] DISK...` to boot the kernel inside the
+//! first disk (env: MEM_MIB, VCPUS, VIRTIO_CMDLINE=1 to also list virtio-mmio devices on the command line,
 //! WAIT_S=n to stop the guest after n seconds, PROGRESS_S=n to print
 //! metrics every n seconds).
 #![allow(clippy::unwrap_used)]
@@ -16,11 +17,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(d)
     };
-    let mut cfg = VmConfig::builder()
-        .kernel(
-            args.first()
-                .ok_or("usage: run_vm KERNEL [INITRAMFS|-] [CMDLINE] [DISK...]")?,
-        )
+    let kernel = args
+        .first()
+        .ok_or("usage: run_vm KERNEL|--from-disk [INITRAMFS|-] [CMDLINE] [DISK...]")?;
+    let mut cfg = VmConfig::builder();
+    cfg = if kernel == "--from-disk" {
+        cfg.boot_from_disk(0, None)
+    } else {
+        cfg.kernel(kernel)
+    };
+    let mut cfg = cfg
         .cmdline(args.get(2).map_or("console=ttyS0", |s| s.as_str()))
         .memory_mib(env("MEM_MIB", 256))
         .vcpus(env("VCPUS", 1) as u8)

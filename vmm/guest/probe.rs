@@ -315,6 +315,8 @@ struct BootInfo {
     e820: [(u64, u64, u32); E820_MAX],
     e820_len: usize,
     rsdp: u64,
+    /// Initramfs address and size (0, 0 when none).
+    initrd: (u64, u64),
 }
 
 fn cstr(addr: u64) -> &'static [u8] {
@@ -334,6 +336,7 @@ fn boot_info(pvh: bool, info: u64) -> BootInfo {
         e820: [(0, 0, 0); E820_MAX],
         e820_len: 0,
         rsdp: 0,
+        initrd: (0, 0),
     };
     if pvh {
         if rd(info, 0, 4) != 0x336e_c578 {
@@ -341,6 +344,10 @@ fn boot_info(pvh: bool, info: u64) -> BootInfo {
         }
         bi.cmdline = cstr(rd(info, 24, 8));
         bi.rsdp = rd(info, 32, 8);
+        if rd(info, 12, 4) >= 1 {
+            let m = rd(info, 16, 8);
+            bi.initrd = (rd(m, 0, 8), rd(m, 8, 8));
+        }
         let map = rd(info, 40, 8);
         let n = (rd(info, 48, 4) as usize).min(E820_MAX);
         for i in 0..n {
@@ -354,6 +361,7 @@ fn boot_info(pvh: bool, info: u64) -> BootInfo {
         }
         bi.cmdline = cstr(rd(info, 0x228, 4));
         bi.rsdp = rd(info, 0x70, 8);
+        bi.initrd = (rd(info, 0x218, 4), rd(info, 0x21c, 4));
         let n = (rd(info, 0x1e8, 1) as usize).min(E820_MAX);
         for i in 0..n {
             let e = info + 0x2d0 + i as u64 * 20;
@@ -809,6 +817,16 @@ extern "C" fn probe_main(pvh: u64, info: u64) -> ! {
     puts("cmdline: ");
     put_bytes(bi.cmdline);
     puts("\n");
+    if bi.initrd.1 != 0 {
+        // Its size and first bytes, so a test can tell which file was loaded.
+        puts("initrd: ");
+        put_dec(bi.initrd.1);
+        puts(" bytes, head ");
+        let n = bi.initrd.1.min(16) as usize;
+        // SAFETY: the VMM placed the initramfs in identity-mapped guest RAM.
+        put_bytes(unsafe { core::slice::from_raw_parts(bi.initrd.0 as *const u8, n) });
+        puts("\n");
+    }
     if let Some(tok) = find(bi.cmdline, b"probe.token=") {
         puts("token: ");
         put_bytes(tok);

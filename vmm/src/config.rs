@@ -45,8 +45,11 @@ pub enum ConfigError {
     #[error("memory must be between {MIN_MEMORY_MIB} MiB and 1 TiB, got {0} MiB")]
     MemorySize(u64),
     /// No kernel image given.
-    #[error("no kernel image configured")]
+    #[error("no kernel image configured (set kernel.path or kernel.from_disk)")]
     MissingKernel,
+    /// The disk-boot settings are inconsistent.
+    #[error("boot source: {0}")]
+    BootSource(String),
     /// The command line is too long or contains a NUL byte.
     #[error("kernel command line is invalid: {0}")]
     Cmdline(String),
@@ -136,7 +139,9 @@ pub enum BootProtocol {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KernelConfig {
-    /// Kernel image: an ELF (vmlinux, probe guest) or a bzImage.
+    /// Kernel image: an ELF (vmlinux, probe guest) or a bzImage. Empty with
+    /// [`KernelConfig::from_disk`].
+    #[serde(default)]
     pub path: PathBuf,
     /// Optional initramfs.
     #[serde(default)]
@@ -153,6 +158,25 @@ pub struct KernelConfig {
     /// always described in the ACPI DSDT as well.
     #[serde(default)]
     pub cmdline_virtio_devices: bool,
+    /// Boot the kernel and initramfs found inside a disk instead of host
+    /// files (`path` and `initramfs` stay empty); `root=UUID=` of the root
+    /// file system is put first on the command line unless it names a root.
+    #[serde(default)]
+    pub from_disk: Option<DiskBoot>,
+}
+
+/// Which disk (and partition) [`KernelConfig::from_disk`] boots.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskBoot {
+    /// Index among the VM's disks: `disks` first, then the backends
+    /// attached at run time, in order. Default 0 (`/dev/vda`).
+    #[serde(default)]
+    pub disk: usize,
+    /// Partition number (1-based) holding the kernel; default: the first
+    /// ext4 partition that has one.
+    #[serde(default)]
+    pub partition: Option<u32>,
 }
 
 /// Most worker threads one disk may have with [`IoEngine::Threads`].
@@ -279,8 +303,30 @@ impl VmConfig {
         if self.memory.size_mib < MIN_MEMORY_MIB || self.memory.size_mib > 1 << 20 {
             return Err(ConfigError::MemorySize(self.memory.size_mib));
         }
-        if self.kernel.path.as_os_str().is_empty() {
-            return Err(ConfigError::MissingKernel);
+        let ndev = self.disks.len() + extra_devices;
+        match &self.kernel.from_disk {
+            None if self.kernel.path.as_os_str().is_empty() => {
+                return Err(ConfigError::MissingKernel);
+            }
+            None => {}
+            Some(_) if !self.kernel.path.as_os_str().is_empty() => {
+                return Err(ConfigError::BootSource(
+                    "kernel.path and kernel.from_disk are exclusive".into(),
+                ));
+            }
+            Some(_) if self.kernel.initramfs.is_some() => {
+                return Err(ConfigError::BootSource(
+                    "kernel.initramfs cannot be set with kernel.from_disk (the initramfs comes from the disk)".into(),
+                ));
+            }
+            Some(DiskBoot {
+                partition: Some(0), ..
+            }) => {
+                return Err(ConfigError::BootSource(
+                    "kernel.from_disk.partition counts from 1".into(),
+                ));
+            }
+            Some(_) => {}
         }
         if self.kernel.cmdline.len() >= MAX_CMDLINE_LEN / 2 {
             return Err(ConfigError::Cmdline(format!(
@@ -292,7 +338,6 @@ impl VmConfig {
         if self.kernel.cmdline.contains('\0') {
             return Err(ConfigError::Cmdline("contains a NUL byte".into()));
         }
-        let ndev = self.disks.len() + extra_devices;
         if ndev > MAX_VIRTIO_DEVICES {
             return Err(ConfigError::TooManyDevices(ndev));
         }
@@ -370,6 +415,14 @@ impl VmConfigBuilder {
         self.cfg.kernel.path = path.into();
         self
     }
+
+    /// Boots the kernel and initramfs found on disk `disk` (see
+    /// [`KernelConfig::from_disk`]).
+    pub fn boot_from_disk(mut self, disk: usize, partition: Option<u32>) -> Self {
+        self.cfg.kernel.from_disk = Some(DiskBoot { disk, partition });
+        self
+    }
+
     /// Initramfs path.
     pub fn initramfs(mut self, path: impl Into<PathBuf>) -> Self {
         self.cfg.kernel.initramfs = Some(path.into());

@@ -61,8 +61,8 @@ mod vcpu;
 mod vm;
 
 pub use config::{
-    BootProtocol, DiskConfig, IoEngine, KernelConfig, MemoryBacking, MemoryConfig, SerialConfig,
-    VmConfig, VmConfigBuilder,
+    BootProtocol, DiskBoot, DiskConfig, IoEngine, KernelConfig, MemoryBacking, MemoryConfig,
+    SerialConfig, VmConfig, VmConfigBuilder,
 };
 pub use devices::serial::{ConsoleRing, SerialSink};
 pub use devices::virtio::block::backend::{BlockBackend, FileBackend, MemBackend, SECTOR_SIZE};

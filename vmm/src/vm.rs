@@ -30,7 +30,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::{self, layout};
-use crate::config::{SerialConfig, VmConfig};
+use crate::config::{ConfigError, SerialConfig, VmConfig};
 use crate::devices::legacy::{AcpiPm, DebugExit, I8042};
 use crate::devices::serial::{ConsoleRing, SerialDevice, SerialOut, SerialSink};
 use crate::devices::virtio::VirtioInterrupt;
@@ -299,6 +299,16 @@ impl Vm {
             serial,
         } = b;
         config.validate(extra_disks.len())?;
+        if let Some(d) = &config.kernel.from_disk {
+            let n = config.disks.len() + extra_disks.len();
+            if d.disk >= n {
+                return Err(ConfigError::BootSource(format!(
+                    "kernel.from_disk.disk is {} but the VM has {n} disk(s)",
+                    d.disk
+                ))
+                .into());
+            }
+        }
         vcpu::install_kick_handler().map_err(Error::EventFd)?;
 
         let kvm = Kvm::new().map_err(Error::OpenKvm)?;
@@ -391,7 +401,21 @@ impl Vm {
         let mut transports = Vec::new();
         let mut acpi_devs = Vec::new();
         let mut block_stats = Vec::new();
-        let mut cmdline = config.kernel.cmdline.clone();
+        // Disk boot reads the image through the backend the guest will use,
+        // before the device takes it over.
+        let disk_files = match &config.kernel.from_disk {
+            Some(d) => match backends.get(d.disk) {
+                Some((b, _)) => Some(boot::disk::find(b.clone(), d.disk, d.partition)?),
+                None => None,
+            },
+            None => None,
+        };
+        let mut cmdline = match &disk_files {
+            Some(f) if !names_root(&config.kernel.cmdline) => {
+                format!("root=UUID={} rw {}", f.root_uuid, config.kernel.cmdline)
+            }
+            _ => config.kernel.cmdline.clone(),
+        };
         for (i, (backend, queues)) in backends.into_iter().enumerate() {
             let (base, irq) = layout::virtio_mmio_window(i);
             let interrupt = VirtioInterrupt::new(irqfd(&vm_fd, irq)?);
@@ -429,7 +453,12 @@ impl Vm {
         }
 
         let rsdp = acpi::write(&mem, config.vcpus, &acpi_devs)?;
-        let loaded = boot::load(&mem, &config.kernel, cmdline.trim_start(), rsdp)?;
+        let files = match &disk_files {
+            Some(f) => boot::BootFiles::Disk(f),
+            None => boot::BootFiles::Host,
+        };
+        let loaded = boot::load(&mem, &config.kernel, files, cmdline.trim(), rsdp)?;
+        drop(disk_files);
 
         let cpuid = x86_64::supported_cpuid(&kvm)?;
         let mut vcpus = Vec::new();
@@ -885,4 +914,9 @@ fn event_loop(shared: &Shared, transports: &[Arc<Mutex<MmioTransport>>]) -> std:
             return Ok(());
         }
     }
+}
+
+/// Whether a kernel command line already says where the root is.
+fn names_root(cmdline: &str) -> bool {
+    cmdline.split_whitespace().any(|w| w.starts_with("root="))
 }

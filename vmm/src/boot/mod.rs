@@ -1,10 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 //! Kernel loading and boot information: ELF (vmlinux, PVH note) and bzImage
 //! through linux-loader, the initramfs, the command line, and either Linux
-//! `boot_params` (with its e820 map) or a PVH `hvm_start_info`.
+//! `boot_params` (with its e820 map) or a PVH `hvm_start_info`. The kernel
+//! and initramfs come from host files or, with disk boot ([`disk`]), from
+//! inside the VM's own disk image.
+
+pub mod disk;
+pub mod reader;
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{Cursor, Read, Seek, SeekFrom};
 use std::path::Path;
 
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
@@ -13,7 +18,7 @@ use linux_loader::loader::elf::start_info::{
     hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info,
 };
 use linux_loader::loader::{BzImage, Elf, KernelLoader, KernelLoaderResult};
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, ReadVolatile};
 
 use crate::arch::x86_64::{Entry, layout};
 use crate::config::{BootProtocol, KernelConfig};
@@ -73,6 +78,97 @@ pub enum BootError {
     /// Writing boot structures to guest memory failed.
     #[error("cannot write boot structures to guest memory")]
     WriteGuestMemory(#[source] vm_memory::GuestMemoryError),
+    /// Reading the boot disk failed.
+    #[error("cannot read boot disk {disk}")]
+    DiskRead {
+        /// Disk index.
+        disk: usize,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The boot disk has neither a GPT nor an MBR partition table.
+    #[error("boot disk {disk} has no partition table: {detail}")]
+    NoPartitionTable {
+        /// Disk index.
+        disk: usize,
+        /// What was found instead.
+        detail: String,
+    },
+    /// The partition table is corrupt.
+    #[error("boot disk {disk}: the {kind} partition table is invalid: {reason}")]
+    BadPartitionTable {
+        /// Disk index.
+        disk: usize,
+        /// `GPT` or `MBR`.
+        kind: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The configured partition does not exist.
+    #[error("boot disk {disk} has no partition {partition} (it has {found})")]
+    NoSuchPartition {
+        /// Disk index.
+        disk: usize,
+        /// Requested partition number.
+        partition: u32,
+        /// Partitions found.
+        found: usize,
+    },
+    /// No partition holds an ext4 file system.
+    #[error("boot disk {disk}: none of its {partitions} partition(s) holds an ext4 file system")]
+    NoRootFilesystem {
+        /// Disk index.
+        disk: usize,
+        /// Partitions examined.
+        partitions: usize,
+    },
+    /// No ext4 file system holds a kernel.
+    #[error(
+        "boot disk {disk}: no kernel in the ext4 file system(s) of partition(s) {partitions:?} \
+         (looked for /boot/vmlinuz, /vmlinuz and vmlinuz-<version> in /boot or at the root)"
+    )]
+    KernelNotFound {
+        /// Disk index.
+        disk: usize,
+        /// Partitions searched.
+        partitions: Vec<u32>,
+    },
+    /// The kernel found is not an x86_64 ELF or a 64-bit bzImage.
+    #[error("{path} is not an x86_64 kernel: {reason}")]
+    NotX86Kernel {
+        /// Where it was found.
+        path: String,
+        /// What it is instead.
+        reason: String,
+    },
+    /// A file on the boot disk could not be read.
+    #[error("cannot read {path} from the boot disk: {reason}")]
+    DiskFile {
+        /// Where.
+        path: String,
+        /// Cause.
+        reason: String,
+    },
+    /// A file on the boot disk is larger than a kernel or initramfs may be.
+    #[error("{path} on the boot disk is {size} bytes, more than the {max} allowed")]
+    DiskFileTooLarge {
+        /// Where.
+        path: String,
+        /// Its size.
+        size: u64,
+        /// The cap.
+        max: u64,
+    },
+}
+
+/// Where the kernel and initramfs come from.
+#[derive(Debug, Clone, Copy)]
+pub enum BootFiles<'a> {
+    /// Host files named by the [`KernelConfig`].
+    Host,
+    /// Found inside the boot disk.
+    Disk(&'a disk::DiskBootFiles),
 }
 
 /// The e820 type of usable RAM.
@@ -115,14 +211,51 @@ pub struct Loaded {
 pub fn load(
     mem: &GuestMemory,
     cfg: &KernelConfig,
+    files: BootFiles<'_>,
     cmdline: &str,
     rsdp_addr: u64,
 ) -> Result<Loaded, BootError> {
-    let path = cfg.path.display().to_string();
-    let mut kernel = File::open(&cfg.path).map_err(|source| BootError::OpenKernel {
-        path: path.clone(),
-        source,
-    })?;
+    match files {
+        BootFiles::Host => {
+            let path = cfg.path.display().to_string();
+            let kernel = File::open(&cfg.path).map_err(|source| BootError::OpenKernel {
+                path: path.clone(),
+                source,
+            })?;
+            let initramfs = cfg.initramfs.as_deref().map(Initramfs::Path);
+            load_from(mem, cfg, kernel, path, initramfs, cmdline, rsdp_addr)
+        }
+        BootFiles::Disk(d) => {
+            let initramfs = d.initramfs.as_deref().map(Initramfs::Bytes);
+            let kernel = Cursor::new(d.kernel.as_slice());
+            load_from(
+                mem,
+                cfg,
+                kernel,
+                d.kernel_path.clone(),
+                initramfs,
+                cmdline,
+                rsdp_addr,
+            )
+        }
+    }
+}
+
+/// An initramfs to load.
+enum Initramfs<'a> {
+    Path(&'a Path),
+    Bytes(&'a [u8]),
+}
+
+fn load_from<K: Read + Seek + ReadVolatile>(
+    mem: &GuestMemory,
+    cfg: &KernelConfig,
+    mut kernel: K,
+    path: String,
+    initramfs: Option<Initramfs<'_>>,
+    cmdline: &str,
+    rsdp_addr: u64,
+) -> Result<Loaded, BootError> {
     let mut magic = [0u8; 4];
     kernel
         .read_exact(&mut magic)
@@ -175,8 +308,9 @@ pub fn load(
         .map(|h| u64::from(h.initrd_addr_max))
         .filter(|&m| m != 0)
         .unwrap_or(layout::INITRD_MAX);
-    let initramfs = match &cfg.initramfs {
-        Some(p) => Some(load_initramfs(mem, p, res.kernel_end, initrd_max)?),
+    let initramfs = match initramfs {
+        Some(Initramfs::Path(p)) => Some(load_initramfs(mem, p, res.kernel_end, initrd_max)?),
+        Some(Initramfs::Bytes(b)) => Some(place_initramfs(mem, b, res.kernel_end, initrd_max)?),
         None => None,
     };
 
@@ -267,6 +401,33 @@ fn load_initramfs(
             source,
         })?
         .len();
+    let addr = initramfs_addr(mem, size, kernel_end, initrd_max)?;
+    mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize)
+        .map_err(BootError::WriteGuestMemory)?;
+    Ok((addr, size))
+}
+
+fn place_initramfs(
+    mem: &GuestMemory,
+    data: &[u8],
+    kernel_end: u64,
+    initrd_max: u64,
+) -> Result<(u64, u64), BootError> {
+    let size = data.len() as u64;
+    let addr = initramfs_addr(mem, size, kernel_end, initrd_max)?;
+    mem.write_slice(data, GuestAddress(addr))
+        .map_err(BootError::WriteGuestMemory)?;
+    Ok((addr, size))
+}
+
+/// The highest page-aligned address below the end of low RAM (and the
+/// kernel's `initrd_addr_max`) where `size` bytes fit above the kernel.
+fn initramfs_addr(
+    mem: &GuestMemory,
+    size: u64,
+    kernel_end: u64,
+    initrd_max: u64,
+) -> Result<u64, BootError> {
     let low_end = mem
         .iter()
         .map(|r| {
@@ -276,14 +437,11 @@ fn load_initramfs(
         .next()
         .unwrap_or(0)
         .min(initrd_max + 1);
-    let addr = low_end
+    low_end
         .checked_sub(size)
         .map(|a| a & !0xfff)
         .filter(|&a| a >= kernel_end.max(layout::HIMEM_START))
-        .ok_or(BootError::InitramfsTooLarge { size })?;
-    mem.read_exact_volatile_from(GuestAddress(addr), &mut f, size as usize)
-        .map_err(BootError::WriteGuestMemory)?;
-    Ok((addr, size))
+        .ok_or(BootError::InitramfsTooLarge { size })
 }
 
 #[cfg(test)]

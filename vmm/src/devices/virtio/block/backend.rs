@@ -85,11 +85,18 @@ pub struct FileBackend {
     id: String,
 }
 
+/// Size of a regular file or a block device (whose metadata length is 0).
+pub(crate) fn file_size(file: &File) -> io::Result<u64> {
+    use std::io::Seek;
+    let mut f = file;
+    f.seek(io::SeekFrom::End(0))
+}
+
 impl FileBackend {
     /// Opens `path`; `id` defaults to the file name.
     pub fn open(path: &Path, read_only: bool, id: Option<String>) -> io::Result<Self> {
         let file = OpenOptions::new().read(true).write(!read_only).open(path)?;
-        let size = file.metadata()?.len();
+        let size = file_size(&file)?;
         let id = id.unwrap_or_else(|| {
             path.file_name()
                 .map(|n| n.to_string_lossy().into_owned())

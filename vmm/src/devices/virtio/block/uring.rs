@@ -148,7 +148,7 @@ impl IoUringBackend {
         let mut opts = OpenOptions::new();
         opts.read(true).write(!read_only);
         let file = opts.open(path).map_err(open_err)?;
-        let size = file.metadata().map_err(open_err)?.len();
+        let size = super::backend::file_size(&file).map_err(open_err)?;
         let direct = if try_direct {
             match opts.clone().custom_flags(libc::O_DIRECT).open(path) {
                 Ok(f) => Some(f),

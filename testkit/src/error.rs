@@ -127,6 +127,16 @@ pub enum TestkitError {
         /// The last lines of the serial console.
         console_tail: String,
     },
+    /// An image build script failed.
+    #[error("building the {what} failed ({status}); log tail:\n{log_tail}")]
+    ImageBuild {
+        /// What was being built.
+        what: &'static str,
+        /// The script's exit status.
+        status: String,
+        /// The end of its log.
+        log_tail: String,
+    },
     /// The archive of files copied out of the box could not be read.
     #[error("cannot read files copied out of the box")]
     FilesOut(#[source] io::Error),

@@ -43,6 +43,7 @@
 use std::path::PathBuf;
 
 pub mod cpio;
+pub mod debian;
 mod error;
 pub mod guest;
 mod image;

@@ -28,6 +28,10 @@ struct Args {
     /// (default script only).
     #[arg(long)]
     check: bool,
+    /// Build the Debian 12 cloud disk instead (mmdebstrap: GPT + ext4 root
+    /// with its own kernel, cloud-init, openssh-server; raw and qcow2).
+    #[arg(long)]
+    debian: bool,
     /// Cache directory (default: $SHEAF_CACHE or ~/.cache/sheaf).
     #[arg(long, value_name = "DIR")]
     cache: Option<PathBuf>,
@@ -45,6 +49,9 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
+    if args.debian {
+        return debian(&args);
+    }
     let mut b = GuestImage::builder();
     if let Some(s) = &args.script {
         b = b.script_file(s)?;
@@ -88,6 +95,30 @@ fn run(args: Args) -> anyhow::Result<()> {
             "check=ok ({:.1} s under QEMU TCG)",
             out.elapsed.as_secs_f64()
         );
+    }
+    Ok(())
+}
+
+fn debian(args: &Args) -> anyhow::Result<()> {
+    use sheaf_testkit::debian::DebianImage;
+    anyhow::ensure!(
+        args.script.is_none() && args.module.is_empty() && !args.vmlinux && !args.check,
+        "--debian takes only --cache"
+    );
+    let mut b = DebianImage::builder();
+    if let Some(c) = &args.cache {
+        b = b.cache_dir(c);
+    }
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_message("building the Debian image (mmdebstrap, a few minutes the first time)");
+    bar.enable_steady_tick(Duration::from_millis(200));
+    let image = b.build();
+    bar.finish_and_clear();
+    let image = image?;
+    println!("raw={}", image.raw.display());
+    println!("qcow2={}", image.qcow2.display());
+    for (k, v) in &image.manifest {
+        println!("{k}={v}");
     }
     Ok(())
 }

@@ -209,6 +209,7 @@ pub struct NestedBox {
     host_qemu: bool,
     kernel: Option<HostKernel>,
     cache: Option<PathBuf>,
+    disks: Vec<PathBuf>,
 }
 
 impl Default for NestedBox {
@@ -274,6 +275,7 @@ impl NestedBox {
             host_qemu: false,
             kernel: None,
             cache: None,
+            disks: Vec::new(),
         }
     }
 
@@ -334,6 +336,16 @@ impl NestedBox {
     /// reference guest with `-accel kvm` next to ours. Adds about 60 MB.
     pub fn host_qemu(mut self) -> Self {
         self.host_qemu = true;
+        self
+    }
+
+    /// Attaches the raw host image `path` to L1 as a virtio disk, without
+    /// copying it into the box: the first such disk is L1's `/dev/vdc`, the
+    /// next `/dev/vdd`, and so on. QEMU opens it with `snapshot=on`, so what
+    /// the box writes goes to a temporary overlay and the host file (a cached
+    /// guest image, say) is never modified.
+    pub fn disk(mut self, path: impl AsRef<Path>) -> Self {
+        self.disks.push(path.as_ref().to_path_buf());
         self
     }
 
@@ -431,7 +443,7 @@ impl NestedBox {
         if self.require_kvm {
             cmdline.push_str(" sheaf.kvm=required");
         }
-        let qemu = Qemu::tcg()
+        let mut qemu = Qemu::tcg()
             .cpu(L1_CPU)
             .memory_mib(self.memory_mib)
             .kernel(&l1.kernel)
@@ -440,6 +452,16 @@ impl NestedBox {
             .disk_readonly(&in_tar)
             .disk(&out_img)
             .timeout(self.timeout);
+        for (i, d) in self.disks.iter().enumerate() {
+            let mut drive = std::ffi::OsString::from("file=");
+            drive.push(d.as_os_str());
+            drive.push(format!(",format=raw,if=none,id=box{i},snapshot=on"));
+            qemu = qemu
+                .arg("-drive")
+                .arg(drive)
+                .arg("-device")
+                .arg(format!("virtio-blk-pci,drive=box{i}"));
+        }
 
         info!(program = %program.display(), ?args, "running in the nested-KVM box");
         on_event(BoxEvent::Phase {

@@ -97,7 +97,28 @@ pub async fn authenticate(State(state): State<ApiState>, req: Request, next: Nex
         );
         return ApiError::forbidden(msg).into_response();
     }
+    if role == Role::ReadOnly && is_secret_path(req.uri().path()) {
+        // As Kubernetes' `view` role: Secrets hold credentials (cloud-init
+        // user data), so reading them is more than viewing.
+        let msg = format!(
+            "User \"sheaf-readonly\" cannot {} resource \"secrets\" at {}: the read-only role may not read Secrets",
+            req.method().as_str().to_lowercase(),
+            req.uri().path()
+        );
+        return ApiError::forbidden(msg).into_response();
+    }
     next.run(req).await
+}
+
+/// `/api/v1[/watch][/namespaces/NS]/secrets[/...]`.
+fn is_secret_path(path: &str) -> bool {
+    let mut segs = path.trim_start_matches('/').split('/');
+    if (segs.next(), segs.next()) != (Some("api"), Some("v1")) {
+        return false;
+    }
+    let rest: Vec<&str> = segs.filter(|s| !s.is_empty()).collect();
+    let rest = rest.strip_prefix(&["watch"]).unwrap_or(&rest);
+    matches!(rest, ["secrets", ..] | ["namespaces", _, "secrets", ..])
 }
 
 #[cfg(test)]
@@ -107,5 +128,26 @@ mod tests {
         assert!(super::ct_eq(b"abc", b"abc"));
         assert!(!super::ct_eq(b"abc", b"abd"));
         assert!(!super::ct_eq(b"abc", b"ab"));
+    }
+
+    #[test]
+    fn secret_paths() {
+        for p in [
+            "/api/v1/secrets",
+            "/api/v1/namespaces/default/secrets",
+            "/api/v1/namespaces/default/secrets/s1",
+            "/api/v1/watch/namespaces/default/secrets",
+            "//api/v1//secrets",
+        ] {
+            assert!(super::is_secret_path(p), "{p}");
+        }
+        for p in [
+            "/api/v1/namespaces",
+            "/api/v1/namespaces/secrets",
+            "/apis/kubevirt.io/v1/namespaces/default/virtualmachines/secrets",
+            "/api/v1/namespaces/default/pods",
+        ] {
+            assert!(!super::is_secret_path(p), "{p}");
+        }
     }
 }

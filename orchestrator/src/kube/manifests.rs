@@ -95,6 +95,8 @@ pub fn rbac() -> Vec<Value> {
                     &["get", "list", "watch", "update", "patch"],
                 ),
                 rule(&["kubevirt.io"], &["virtualmachines"], READ),
+                // cloudInitNoCloud secretRef / networkDataSecretRef.
+                rule(&[""], &["secrets"], &["get"]),
                 rule(
                     &["sheaf.dev"],
                     &["volumes", "volumes/status"],

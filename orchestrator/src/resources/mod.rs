@@ -5,7 +5,7 @@
 //!   kubevirt.io/v1                      sheaf.dev/v1          v1 (core)
 //!   ├─ VirtualMachine        (vm)        ├─ Volume  (svol)     └─ Namespace
 //!   ├─ VirtualMachineInstance (vmi)      └─ Node    (snode, cluster-scoped)
-//!   └─ VirtualMachineInstanceMigration (vmim)
+//!   └─ VirtualMachineInstanceMigration (vmim)                  └─ Secret
 //! ```
 //!
 //! Every kind is a plain serde struct with a k8s-openapi [`ObjectMeta`] and a
@@ -88,6 +88,11 @@ pub trait Resource:
     fn validate(&self) -> Vec<FieldError> {
         Vec::new()
     }
+
+    /// Rewrites a decoded object before it is stored, as the Kubernetes API
+    /// server does for some kinds (a Secret's `stringData` is merged into
+    /// `data`). Runs after [`Resource::validate`] passed.
+    fn normalize(&mut self) {}
 
     /// Cells of the `kubectl get` table after the name (see [`KindInfo::columns`]).
     fn table_columns() -> Vec<TableColumn> {

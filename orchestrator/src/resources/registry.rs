@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 //! Run-time descriptions of the served kinds.
 
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
 use serde_json::Value;
 
 use super::common::{age_cell, json_str};
@@ -87,7 +88,8 @@ fn decode_normalized<K: Resource>(
     v: &Value,
     mode: FieldValidation,
 ) -> Result<(Value, Vec<String>), ValidationError> {
-    let (obj, warnings) = decode::<K>(v, mode)?;
+    let (mut obj, warnings) = decode::<K>(v, mode)?;
+    obj.normalize();
     let out = serde_json::to_value(&obj).map_err(|e| ValidationError::Malformed(e.to_string()))?;
     Ok((out, warnings))
 }
@@ -152,7 +154,7 @@ pub struct Registry {
 }
 
 impl Default for Registry {
-    /// KubeVirt's three kinds, sheaf's Volume and Node, and core Namespace.
+    /// KubeVirt's three kinds, sheaf's Volume and Node, core Namespace and Secret.
     fn default() -> Self {
         Self {
             kinds: vec![
@@ -162,6 +164,7 @@ impl Default for Registry {
                 KindInfo::of::<Volume>(),
                 KindInfo::of::<Node>(),
                 KindInfo::of::<Namespace>(),
+                KindInfo::of::<Secret>(),
             ],
         }
     }
@@ -243,6 +246,98 @@ impl Resource for Namespace {
             } else {
                 phase.to_string()
             }),
+            age_cell(obj),
+        ]
+    }
+}
+
+/// Largest Secret (all values together), as Kubernetes' `MaxSecretSize`.
+pub const MAX_SECRET_BYTES: usize = 1 << 20;
+
+fn is_config_key(k: &str) -> bool {
+    !k.is_empty()
+        && k.len() <= 253
+        && k != "."
+        && k != ".."
+        && k.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// core/v1 Secret: stored as the API server stores it (`stringData`
+/// merged into `data`, base64 on the wire). sheaf reads it for
+/// `cloudInitNoCloud.secretRef` / `networkDataSecretRef`.
+impl Resource for Secret {
+    const GROUP: &'static str = "";
+    const VERSION: &'static str = "v1";
+    const KIND: &'static str = "Secret";
+    const PLURAL: &'static str = "secrets";
+    const SINGULAR: &'static str = "secret";
+    const SHORT_NAMES: &'static [&'static str] = &[];
+    const SCOPE: Scope = Scope::Namespaced;
+    const HAS_STATUS: bool = false;
+    fn metadata(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        &self.metadata
+    }
+    fn metadata_mut(&mut self) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        &mut self.metadata
+    }
+    fn validate(&self) -> Vec<FieldError> {
+        let mut errs = Vec::new();
+        let mut total = 0usize;
+        let data = self
+            .data
+            .iter()
+            .flatten()
+            .map(|(k, v)| ("data", k, v.0.len()));
+        let string_data = self
+            .string_data
+            .iter()
+            .flatten()
+            .map(|(k, v)| ("stringData", k, v.len()));
+        for (field, k, len) in data.chain(string_data) {
+            total += len;
+            if !is_config_key(k) {
+                errs.push(FieldError::invalid(
+                    format!("{field}[{k}]"),
+                    k,
+                    "a valid config key must consist of alphanumeric characters, '-', '_' or '.'",
+                ));
+            }
+        }
+        if total > MAX_SECRET_BYTES {
+            errs.push(FieldError::forbidden(
+                "data",
+                format!("Too long: must have at most {MAX_SECRET_BYTES} bytes"),
+            ));
+        }
+        errs
+    }
+    fn normalize(&mut self) {
+        if let Some(sd) = self.string_data.take() {
+            let data = self.data.get_or_insert_with(Default::default);
+            for (k, v) in sd {
+                data.insert(k, ByteString(v.into_bytes()));
+            }
+        }
+        if self.type_.is_none() {
+            self.type_ = Some("Opaque".into());
+        }
+    }
+    fn table_columns() -> Vec<TableColumn> {
+        vec![
+            TableColumn::new("Type", "string", "The type of the secret"),
+            TableColumn::new("Data", "string", "Number of items in the secret"),
+            TableColumn::new("Age", "date", "Time since creation"),
+        ]
+    }
+    fn table_row(obj: &Value) -> Vec<Value> {
+        let n = obj
+            .get("data")
+            .and_then(Value::as_object)
+            .map_or(0, |m| m.len());
+        vec![
+            Value::String(json_str(obj, "type").to_string()),
+            Value::from(n),
             age_cell(obj),
         ]
     }

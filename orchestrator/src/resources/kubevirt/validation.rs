@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 
 use super::super::decode::{FieldError, is_dns_label, is_dns_subdomain};
 use super::super::quantity::{parse_quantity_bytes, parse_quantity_millis};
+
 use super::*;
 
 fn is_mac(s: &str) -> bool {
@@ -140,14 +141,8 @@ pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec
             ("cloudInitNoCloud", &v.cloud_init_no_cloud),
             ("cloudInitConfigDrive", &v.cloud_init_config_drive),
         ] {
-            if let Some(ci) = ci
-                && ci.user_data.is_some()
-                && ci.user_data_base64.is_some()
-            {
-                errs.push(FieldError::forbidden(
-                    format!("{vp}.{key}.userDataBase64"),
-                    "userData and userDataBase64 are mutually exclusive",
-                ));
+            if let Some(ci) = ci {
+                validate_cloud_init(ci, &format!("{vp}.{key}"), errs);
             }
         }
         if let Some(e) = &v.empty_disk
@@ -277,6 +272,89 @@ pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec
             format!("{p}.hostname"),
             h,
             "must be a lowercase RFC 1123 label",
+        ));
+    }
+}
+
+/// KubeVirt's checks of a cloud-init source: at most one user data source
+/// and one network data source, at least one of either, base64 that
+/// decodes, inline data within [`CLOUD_INIT_INLINE_MAX_BYTES`] (larger data goes in a
+/// Secret), Secret names that are names.
+fn validate_cloud_init(ci: &CloudInit, p: &str, errs: &mut Vec<FieldError>) {
+    let groups = [
+        (
+            "user",
+            ("userData", ci.user_data.as_deref()),
+            ("userDataBase64", ci.user_data_base64.as_deref()),
+            ("secretRef", ci.secret_ref.as_ref().map(|r| r.name.as_str())),
+        ),
+        (
+            "network",
+            ("networkData", ci.network_data.as_deref()),
+            ("networkDataBase64", ci.network_data_base64.as_deref()),
+            (
+                "networkDataSecretRef",
+                ci.network_data_secret_ref.as_ref().map(|r| r.name.as_str()),
+            ),
+        ),
+    ];
+    let mut sources = 0;
+    for (what, (ik, inline), (bk, b64), (sk, secret)) in groups {
+        let set: Vec<&str> = [
+            (ik, inline.is_some()),
+            (bk, b64.is_some()),
+            (sk, secret.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(k, on)| on.then_some(k))
+        .collect();
+        sources += set.len();
+        if set.len() > 1 {
+            errs.push(FieldError::forbidden(
+                format!("{p}.{}", set[1]),
+                format!(
+                    "{} are mutually exclusive: set one {what} data source",
+                    set.join(" and ")
+                ),
+            ));
+        }
+        let len = match (inline, b64) {
+            (Some(s), _) => Some((ik, s.len())),
+            (None, Some(s)) => match decode_std_base64(s) {
+                Ok(d) => Some((bk, d.len())),
+                Err(e) => {
+                    errs.push(FieldError::invalid(
+                        format!("{p}.{bk}"),
+                        "<base64>",
+                        format!("not valid base64: {e}"),
+                    ));
+                    None
+                }
+            },
+            _ => None,
+        };
+        if let Some((k, n)) = len.filter(|(_, n)| *n > CLOUD_INIT_INLINE_MAX_BYTES) {
+            errs.push(FieldError::forbidden(
+                format!("{p}.{k}"),
+                format!(
+                    "{what} data is {n} bytes, over the {CLOUD_INIT_INLINE_MAX_BYTES}-byte limit for inline data; put it in a Secret and use {sk}"
+                ),
+            ));
+        }
+        if let Some(name) = secret
+            && !is_dns_subdomain(name)
+        {
+            errs.push(FieldError::invalid(
+                format!("{p}.{sk}.name"),
+                name,
+                "must name a Secret in the instance's namespace",
+            ));
+        }
+    }
+    if sources == 0 {
+        errs.push(FieldError::required(
+            p.to_string(),
+            "set user data (userData, userDataBase64 or secretRef) or network data (networkData, networkDataBase64 or networkDataSecretRef)",
         ));
     }
 }

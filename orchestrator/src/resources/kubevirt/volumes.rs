@@ -5,6 +5,19 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// Largest inline cloud-init `userData` / `networkData` (decoded, for the
+/// base64 forms) the API accepts: KubeVirt's `cloudInitUserMaxLen` and
+/// `cloudInitNetworkMaxLen`. Larger data goes in a Secret.
+pub const CLOUD_INIT_INLINE_MAX_BYTES: usize = 2048;
+
+/// Decodes base64 as KubeVirt (Go's `StdEncoding`) does: padded standard
+/// alphabet, line breaks ignored.
+pub fn decode_std_base64(s: &str) -> Result<Vec<u8>, base64::DecodeError> {
+    use base64::Engine;
+    let compact: String = s.chars().filter(|c| !matches!(c, '\r' | '\n')).collect();
+    base64::engine::general_purpose::STANDARD.decode(compact)
+}
+
 /// A volume of an instance: exactly one source.
 #[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq)]
 #[serde(rename_all = "camelCase")]
@@ -114,6 +127,23 @@ pub struct CloudInit {
     /// Network config, base64.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_data_base64: Option<String>,
+    /// User data from the `userdata` (or `userData`) key of a Secret in the
+    /// instance's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretRef>,
+    /// Network config from the `networkdata` (or `networkData`) key of a
+    /// Secret in the instance's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_data_secret_ref: Option<SecretRef>,
+}
+
+/// A Secret in the instance's namespace (`LocalObjectReference`).
+#[derive(Serialize, Deserialize, JsonSchema, Clone, Debug, Default, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretRef {
+    /// Name of the Secret.
+    #[serde(default)]
+    pub name: String,
 }
 
 /// `emptyDisk` source.

@@ -8,6 +8,7 @@
 //!   store       Store trait: resourceVersion, watch, finalizers, GC; memory + redb
 //!   api         Kubernetes-compatible HTTP API over a Store (TLS, tokens, kubeconfig)
 //!   controllers control plane: VM, VMI, Volume, node lifecycle, migration (ControlPlane)
+//!   cloudinit   NoCloud seed disks (FAT, label cidata) from cloudInitNoCloud volumes
 //!   runtime     VmRuntime: sheaf-vmm (in process) and QEMU (NBD disks)
 //!   launcher    one process per VM (and per replica), started by the agent
 //!   agent       node agent: heartbeats, launchers, replica servers (NodeAgent)
@@ -20,6 +21,7 @@
 pub mod agent;
 pub mod api;
 pub mod audit;
+pub mod cloudinit;
 pub mod cluster;
 pub mod controllers;
 pub mod images;

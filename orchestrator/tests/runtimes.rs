@@ -100,6 +100,7 @@ fn spec(dir: &Path, r: &Replicas, runtime: &str, vm: VmSpec, epoch: u64) -> Laun
             min_write_replicas: None,
             read_only: false,
         }],
+        file_disks: Vec::new(),
         secret_file: Some(r.secret_file.clone()),
         dir: ldir,
     }
@@ -282,4 +283,107 @@ async fn qemu_launcher_boots_linux_on_a_replicated_volume() {
     let b = v.read(4096, 4096).await.unwrap();
     assert!(b.starts_with(b"SHEAF-REPLY:nbd-qemu\n"), "{:?}", &b[..32]);
     v.detach().await.unwrap();
+}
+
+/// The guest side of a NoCloud seed: a stock Linux kernel under QEMU finds
+/// the seed by its label, mounts it and reads the files cloud-init reads;
+/// the disk is read-only to it.
+const SEED_SCRIPT: &str = r#"
+. /etc/sheaf/lib.sh
+sheaf_wait_block /dev/vdb 100 || { echo "SHEAF-GUEST: FAIL no /dev/vdb"; exit 1; }
+echo "SHEAF-GUEST: label-dev=$(findfs LABEL=cidata)"
+mkdir -p /seed
+mount -t vfat -o ro /dev/vdb /seed || { echo "SHEAF-GUEST: FAIL mount"; exit 1; }
+echo "SHEAF-GUEST: files=$(ls /seed | tr '\n' ' ')"
+while IFS= read -r l; do echo "SHEAF-SEED: $l"; done < /seed/user-data
+umount /seed
+echo "SHEAF-GUEST: ro=$(cat /sys/block/vdb/ro)"
+dd if=/dev/zero of=/dev/vdb bs=512 count=1 2>/dev/null && echo "SHEAF-GUEST: FAIL seed written"
+echo "SHEAF-GUEST: OK"
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_linux_guest_reads_the_cloud_init_seed() {
+    use std::collections::BTreeMap;
+
+    use sheaf_orchestrator::cloudinit::{self, Instance, NoCloudSeed};
+    use sheaf_orchestrator::launcher::LaunchFileDisk;
+    use sheaf_orchestrator::resources::kubevirt::CloudInit;
+
+    if sheaf_testkit::skip_slow("qemu_linux_guest_reads_the_cloud_init_seed") {
+        return;
+    }
+    if sheaf_testkit::which("qemu-system-x86_64").is_none() {
+        eprintln!("SKIP: qemu-system-x86_64 not installed (scripts/setup)");
+        return;
+    }
+    let image = match sheaf_testkit::guest::GuestImage::builder()
+        .script(SEED_SCRIPT)
+        .module("fat")
+        .module("vfat")
+        .module("nls_cp437")
+        .module("nls_ascii")
+        .module("nls_utf8")
+        .build()
+    {
+        Ok(i) => i,
+        Err(e) => {
+            eprintln!("SKIP: no guest image: {e}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let r = replicas(tmp.path(), 1, 8 << 20);
+    let vm = VmSpec {
+        name: "linux".into(),
+        vcpus: 1,
+        memory_mib: 256,
+        kernel: image.kernel.clone(),
+        initramfs: Some(image.initramfs.clone()),
+        cmdline: sheaf_testkit::guest::DEFAULT_CMDLINE.into(),
+    };
+    let mut s = spec(tmp.path(), &r, "qemu", vm, 1);
+    let user_data = "#cloud-config\nruncmd:\n  - [echo, sheaf-marker]\n";
+    let ci = CloudInit {
+        user_data: Some(user_data.into()),
+        ..Default::default()
+    };
+    let inst = Instance {
+        namespace: "default",
+        uid: "uid-1",
+        hostname: "linux",
+    };
+    let seed = NoCloudSeed::new(&ci, "v", &inst, &BTreeMap::new()).unwrap();
+    let path = cloudinit::write_seed(
+        &s.dir,
+        &cloudinit::seed_file_name("cloudinitdisk"),
+        &seed.image(cloudinit::volume_id(inst.uid)).unwrap(),
+    )
+    .unwrap();
+    s.file_disks.push(LaunchFileDisk {
+        name: "cloudinitdisk".into(),
+        path,
+        serial: "cloudinitdisk".into(),
+        read_only: true,
+        position: 1,
+    });
+    let mut c = launch(&s);
+    let st = wait_exit(&mut c, Duration::from_secs(240));
+    let console = std::fs::read_to_string(s.dir.join("console.log")).unwrap_or_default();
+    assert!(st.success(), "{console}");
+    assert!(console.contains("SHEAF-GUEST: OK"), "{console}");
+    assert!(!console.contains("FAIL"), "{console}");
+    assert!(
+        console.contains("SHEAF-GUEST: label-dev=/dev/vdb"),
+        "{console}"
+    );
+    assert!(
+        console.contains("SHEAF-GUEST: files=meta-data user-data "),
+        "{console}"
+    );
+    let seen: Vec<&str> = console
+        .lines()
+        .filter_map(|l| l.trim_end_matches('\r').strip_prefix("SHEAF-SEED: "))
+        .collect();
+    assert_eq!(seen, user_data.lines().collect::<Vec<_>>(), "{console}");
 }

@@ -5,16 +5,21 @@
 //! over on cold migration, stops launchers of deleted or moved instances,
 //! and removes the launcher finalizer once a launcher is gone.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Secret;
 
 use async_trait::async_trait;
 use tracing::{info, warn};
 
 use super::{Shared, launchers, lock};
+use crate::cloudinit::{self, NoCloudSeed, SeedError};
 use crate::controllers::runner::{Action, KeyMapper, ObjectKey, Reconciler};
 use crate::controllers::util::*;
 use crate::controllers::{ControllerError, ControllerResult};
-use crate::launcher::{LaunchDisk, LaunchSpec, LauncherPhase, LauncherStatus};
+use crate::launcher::{LaunchDisk, LaunchFileDisk, LaunchSpec, LauncherPhase, LauncherStatus};
 use crate::names;
 use crate::resources::common::json_str;
 use crate::resources::sheaf::ReplicaState;
@@ -26,6 +31,9 @@ use crate::store::{StoreError, StoreExt, UpdateScope, WatchEvent};
 
 /// The built-in probe guest image (`kernelBoot.container.image`).
 pub const PROBE_IMAGE: &str = "sheaf.dev/probe";
+
+/// How often an instance waiting for a cloud-init Secret looks again.
+const SECRET_RETRY: Duration = Duration::from_secs(5);
 
 /// Maps Volume events to the instance they are attached to on `node`.
 pub(crate) fn volume_mapper(node: String) -> KeyMapper {
@@ -157,17 +165,36 @@ pub(crate) fn launch_spec(
         .unwrap_or(64 << 20);
     let vcpus = d.cpu.as_ref().map(|c| c.vcpus()).unwrap_or(1).clamp(1, 254) as u8;
     let ns = namespace(vmi);
+    let dir = names::child(&shared.launchers_dir(), uid(vmi)).map_err(|e| e.to_string())?;
+    let serial = |disk: &crate::resources::kubevirt::Disk| {
+        disk.serial
+            .clone()
+            .unwrap_or_else(|| disk.name.chars().take(20).collect())
+    };
     let mut disks = Vec::new();
-    for disk in &d.devices.disks {
+    let mut file_disks = Vec::new();
+    for (position, disk) in d.devices.disks.iter().enumerate() {
         let vol = vmi
             .spec
             .volumes
             .iter()
             .find(|v| v.name == disk.name)
             .ok_or(format!("disk {:?} has no volume", disk.name))?;
+        if vol.cloud_init_no_cloud.is_some() {
+            // The seed is written next to the spec just before the launch.
+            file_disks.push(LaunchFileDisk {
+                name: disk.name.clone(),
+                path: names::child(&dir, &cloudinit::seed_file_name(&vol.name))
+                    .map_err(|e| e.to_string())?,
+                serial: serial(disk),
+                read_only: true,
+                position,
+            });
+            continue;
+        }
         let Some(vname) = vol.sheaf_volume_name() else {
             return Err(format!(
-                "volume {:?}: only persistentVolumeClaim / dataVolume (sheaf Volumes) are supported by the sheaf runtimes",
+                "volume {:?}: only persistentVolumeClaim / dataVolume (sheaf Volumes) and cloudInitNoCloud are supported by the sheaf runtimes",
                 vol.name
             ));
         };
@@ -202,10 +229,7 @@ pub(crate) fn launch_spec(
         disks.push(LaunchDisk {
             name: disk.name.clone(),
             volume: format!("{ns}/{vname}"),
-            serial: disk
-                .serial
-                .clone()
-                .unwrap_or_else(|| disk.name.chars().take(20).collect()),
+            serial: serial(disk),
             replicas,
             epoch: att.epoch.or(st.epoch).unwrap_or(1),
             min_write_replicas: v.spec.min_write_replicas.map(|w| w as usize),
@@ -228,8 +252,9 @@ pub(crate) fn launch_spec(
                 .unwrap_or_else(|| "console=ttyS0".into()),
         },
         disks,
+        file_disks,
         secret_file: Some(cfg.secret_file.clone()),
-        dir: names::child(&shared.launchers_dir(), uid(vmi)).map_err(|e| e.to_string())?,
+        dir,
     }))
 }
 
@@ -321,27 +346,38 @@ impl Reconciler for AgentVmiReconciler {
             (Some(VmiPhase::Scheduled), Launcher::None) => {
                 let volumes = self.volumes(&vmi).await?;
                 match launch_spec(shared, &vmi, &volumes) {
-                    Ok(Some(spec)) => {
-                        launchers::spawn(shared, key, &spec).map_err(|e| {
-                            ControllerError::Invalid(format!("starting launcher: {e}"))
-                        })?;
-                    }
+                    Ok(Some(spec)) => match self.write_seeds(&vmi, &spec).await? {
+                        Ok(()) => {
+                            launchers::spawn(shared, key, &spec).map_err(|e| {
+                                ControllerError::Invalid(format!("starting launcher: {e}"))
+                            })?;
+                        }
+                        Err(e) if e.is_waiting_for_secret() => {
+                            // Pending until the Secret exists (Secrets are
+                            // not watched here: look again shortly).
+                            let msg = e.to_string();
+                            let mut v = vmi.clone();
+                            let st = v.status.get_or_insert_with(Default::default);
+                            set_condition(
+                                &mut st.conditions,
+                                "Ready",
+                                ConditionStatus::False,
+                                "WaitingForSecret",
+                                &msg,
+                            );
+                            if v.status != vmi.status {
+                                info!(vmi = %key, %msg, "waiting for a cloud-init Secret");
+                                store.update_typed(&v, UpdateScope::Status).await?;
+                            }
+                            return Ok(Action::RequeueAfter(SECRET_RETRY));
+                        }
+                        Err(e) => {
+                            self.fail_launch(&vmi, "InvalidCloudInit", &e.to_string())
+                                .await?;
+                        }
+                    },
                     Ok(None) => {} // a volume event wakes us once it is attached here
-                    Err(msg) => {
-                        warn!(vmi = %key, %msg, "cannot launch");
-                        let mut v = vmi.clone();
-                        let st = v.status.get_or_insert_with(Default::default);
-                        set_phase(st, VmiPhase::Failed);
-                        st.reason = Some("UnsupportedSpec".into());
-                        set_condition(
-                            &mut st.conditions,
-                            "Ready",
-                            ConditionStatus::False,
-                            "UnsupportedSpec",
-                            &msg,
-                        );
-                        store.update_typed(&v, UpdateScope::Status).await?;
-                    }
+                    Err(msg) => self.fail_launch(&vmi, "UnsupportedSpec", &msg).await?,
                 }
             }
             (Some(VmiPhase::Scheduled | VmiPhase::Running), Launcher::Running(st)) => {
@@ -449,6 +485,102 @@ impl AgentVmiReconciler {
             }
         }
         Ok(out)
+    }
+
+    /// The instance cannot start here: `Failed` with `reason`.
+    async fn fail_launch(
+        &self,
+        vmi: &VirtualMachineInstance,
+        reason: &str,
+        msg: &str,
+    ) -> ControllerResult<()> {
+        warn!(vmi = %ns_name(vmi), %reason, %msg, "cannot launch");
+        let mut v = vmi.clone();
+        let st = v.status.get_or_insert_with(Default::default);
+        set_phase(st, VmiPhase::Failed);
+        st.reason = Some(reason.into());
+        set_condition(
+            &mut st.conditions,
+            "Ready",
+            ConditionStatus::False,
+            reason,
+            msg,
+        );
+        self.shared
+            .store
+            .update_typed(&v, UpdateScope::Status)
+            .await?;
+        Ok(())
+    }
+
+    /// Builds and writes the cloud-init seed of every file disk of `spec`
+    /// into the launcher's directory. The outer error is the store's; the
+    /// inner one says why a seed cannot be built (yet).
+    async fn write_seeds(
+        &self,
+        vmi: &VirtualMachineInstance,
+        spec: &LaunchSpec,
+    ) -> ControllerResult<Result<(), SeedError>> {
+        if spec.file_disks.is_empty() {
+            return Ok(Ok(()));
+        }
+        let ns = namespace(vmi);
+        let mut secrets = BTreeMap::new();
+        for n in vmi
+            .spec
+            .volumes
+            .iter()
+            .filter_map(|v| v.cloud_init_no_cloud.as_ref())
+            .flat_map(cloudinit::secret_names)
+        {
+            match self.shared.store.get_typed::<Secret>(ns, n).await {
+                Ok(s) => {
+                    secrets.insert(n.to_string(), s);
+                }
+                Err(StoreError::NotFound { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let inst = cloudinit::Instance {
+            namespace: ns,
+            uid: uid(vmi),
+            hostname: vmi.spec.hostname.as_deref().unwrap_or(name(vmi)),
+        };
+        Ok(self.write_seed_files(vmi, spec, &inst, &secrets))
+    }
+
+    fn write_seed_files(
+        &self,
+        vmi: &VirtualMachineInstance,
+        spec: &LaunchSpec,
+        inst: &cloudinit::Instance<'_>,
+        secrets: &BTreeMap<String, Secret>,
+    ) -> Result<(), SeedError> {
+        names::ensure_child(&self.shared.launchers_dir(), &spec.dir)?;
+        std::fs::create_dir_all(&spec.dir).map_err(|source| SeedError::Io {
+            path: spec.dir.clone(),
+            source,
+        })?;
+        for fd in &spec.file_disks {
+            let Some((i, ci)) = vmi
+                .spec
+                .volumes
+                .iter()
+                .enumerate()
+                .find(|(_, v)| v.name == fd.name)
+                .and_then(|(i, v)| Some((i, v.cloud_init_no_cloud.as_ref()?)))
+            else {
+                continue;
+            };
+            let field = format!("spec.volumes[{i}].cloudInitNoCloud");
+            let image = NoCloudSeed::new(ci, &field, inst, secrets)?
+                .image(cloudinit::volume_id(inst.uid))?;
+            let path =
+                cloudinit::write_seed(&spec.dir, &cloudinit::seed_file_name(&fd.name), &image)?;
+            debug_assert_eq!(path, fd.path);
+            info!(vmi = %ns_name(vmi), disk = %fd.name, bytes = image.len(), "cloud-init seed written");
+        }
+        Ok(())
     }
 
     async fn report_exit(

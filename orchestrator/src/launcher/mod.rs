@@ -26,7 +26,8 @@ pub mod protocol;
 mod run;
 
 pub use protocol::{
-    DiskStatus, LaunchDisk, LaunchSpec, LauncherCommand, LauncherPhase, LauncherStatus,
+    DiskStatus, LaunchDisk, LaunchFileDisk, LaunchSpec, LauncherCommand, LauncherPhase,
+    LauncherStatus,
 };
 pub use run::{LauncherError, ReplicaArgs, connect, run_replica, run_vm};
 

@@ -25,6 +25,10 @@ pub struct LaunchSpec {
     /// Volumes, in guest disk order.
     #[serde(default)]
     pub disks: Vec<LaunchDisk>,
+    /// Plain files the agent made (cloud-init seeds), each placed at its
+    /// `position` among all the guest's disks.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub file_disks: Vec<LaunchFileDisk>,
     /// The replication secret (needed when any disk has replicas).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_file: Option<PathBuf>,
@@ -52,6 +56,24 @@ pub struct LaunchDisk {
     /// Offer read-only.
     #[serde(default)]
     pub read_only: bool,
+}
+
+/// A host file to attach as a disk (a cloud-init seed image).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct LaunchFileDisk {
+    /// Disk name in the instance spec.
+    pub name: String,
+    /// The image file (raw).
+    pub path: PathBuf,
+    /// Serial the guest sees.
+    pub serial: String,
+    /// Offer read-only.
+    #[serde(default)]
+    pub read_only: bool,
+    /// Index among all the guest's disks (`devices.disks` order); the
+    /// volumes fill the other places in their order.
+    pub position: usize,
 }
 
 /// Lifecycle of a launcher.

@@ -24,9 +24,11 @@ use tracing::{info, warn};
 
 use super::files;
 use super::metrics::{DiskIoStats, IoMetrics};
-use super::protocol::{DiskStatus, LaunchSpec, LauncherCommand, LauncherPhase, LauncherStatus};
+use super::protocol::{
+    DiskStatus, LaunchFileDisk, LaunchSpec, LauncherCommand, LauncherPhase, LauncherStatus,
+};
 use crate::runtime::{
-    self, AttachedDisk, ConsoleInput, ConsoleLog, RunningVm, RuntimeContext, VmExit,
+    self, AttachedDisk, ConsoleInput, ConsoleLog, DiskBacking, RunningVm, RuntimeContext, VmExit,
 };
 
 /// Launcher failures that prevent it from reporting at all.
@@ -283,7 +285,7 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
         console,
     };
     let io_stats: Vec<Arc<DiskIoStats>> = spec.disks.iter().map(|_| Arc::default()).collect();
-    let attached: Vec<AttachedDisk> = spec
+    let volumes = spec
         .disks
         .iter()
         .zip(&vols)
@@ -291,11 +293,12 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
         .map(|((d, v), st)| AttachedDisk {
             name: d.name.clone(),
             serial: d.serial.clone(),
-            disk: Disk::new(v.clone()),
+            disk: DiskBacking::Volume(Disk::new(v.clone())),
             read_only: d.read_only,
             io_stats: st.clone(),
         })
         .collect();
+    let attached = guest_disk_order(volumes, &spec.file_disks);
     let io = IoReport {
         spec: &spec,
         stats: &io_stats,
@@ -371,6 +374,27 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
             rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), v.detach()).await });
     }
     finish(exit)
+}
+
+/// The guest's disks: the volumes in their order, each file disk inserted
+/// at its `position` (clamped to the end).
+fn guest_disk_order(mut disks: Vec<AttachedDisk>, files: &[LaunchFileDisk]) -> Vec<AttachedDisk> {
+    let mut files: Vec<&LaunchFileDisk> = files.iter().collect();
+    files.sort_by_key(|f| f.position);
+    for f in files {
+        let at = f.position.min(disks.len());
+        disks.insert(
+            at,
+            AttachedDisk {
+                name: f.name.clone(),
+                serial: f.serial.clone(),
+                disk: DiskBacking::File(f.path.clone()),
+                read_only: f.read_only,
+                io_stats: Arc::default(),
+            },
+        );
+    }
+    disks
 }
 
 /// Writes the disks' guest I/O histograms to `io-metrics.json` when they

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!   launcher ── attaches volumes (blockrepl engine, epoch from the control plane)
-//!      │           └─ AttachedDisk { Disk } per volume
+//!      │           └─ AttachedDisk { Volume(Disk) } per volume, { File } per seed
 //!      └─ VmRuntime::start(VmSpec, disks, ctx) ─► RunningVm (wait / stop)
 //!           ├─ VmmRuntime   sheaf-vmm in this process; disks via the in-process
 //!           │               virtio-blk BlockBackend (blockrepl frontend::vmm)
@@ -54,15 +54,25 @@ pub struct VmSpec {
     pub cmdline: String,
 }
 
-/// A volume attached by the launcher, offered to the guest as a disk.
+/// What a guest disk reads and writes.
+#[derive(Debug, Clone)]
+pub enum DiskBacking {
+    /// A volume the launcher attached (replicated, fenced).
+    Volume(Disk),
+    /// A raw image file on the node (a cloud-init seed).
+    File(PathBuf),
+}
+
+/// A disk offered to the guest: a volume attached by the launcher, or a
+/// file on the node.
 #[derive(Debug, Clone)]
 pub struct AttachedDisk {
     /// Disk name from the instance spec (also the NBD export name).
     pub name: String,
     /// Serial number the guest sees (virtio-blk GET_ID, ≤ 20 bytes).
     pub serial: String,
-    /// The volume.
-    pub disk: Disk,
+    /// The data.
+    pub disk: DiskBacking,
     /// Offer it read-only.
     pub read_only: bool,
     /// Guest I/O latency of this disk, kept by runtimes that time their

@@ -5,6 +5,7 @@
 //! NBD server (blockrepl `frontend::nbd`) on a unix socket in the launcher's
 //! directory and attached as `virtio-blk-pci` through QEMU's NBD client, so
 //! the guest's writes go through the same engine and epoch as with sheaf-vmm.
+//! A file disk (a cloud-init seed) is a raw `-blockdev` on the file.
 //! Pause and resume go through QMP (`stop`/`cont`) on `qmp.sock` in the same
 //! directory; the serial console is QEMU's stdio (input through its stdin).
 
@@ -19,8 +20,14 @@ use std::time::{Duration, Instant};
 use sheaf_blockrepl::frontend::nbd::{Export, NbdConfig, NbdServer};
 
 use super::{
-    AttachedDisk, ConsoleInput, RunningVm, RuntimeContext, RuntimeError, VmExit, VmRuntime, VmSpec,
+    AttachedDisk, ConsoleInput, DiskBacking, RunningVm, RuntimeContext, RuntimeError, VmExit,
+    VmRuntime, VmSpec,
 };
+
+/// A value inside a QEMU `-blockdev` option list (`,` is written `,,`).
+fn qemu_opt(v: &str) -> String {
+    v.replace(',', ",,")
+}
 
 /// QEMU settings.
 #[derive(Debug, Clone)]
@@ -122,14 +129,27 @@ impl VmRuntime for QemuRuntime {
         let server = NbdServer::new(NbdConfig::default());
         let mut drives = Vec::new();
         for (i, d) in disks.into_iter().enumerate() {
-            let export = Export::new(d.disk).read_only(d.read_only);
-            server
-                .add_export(&d.name, export)
-                .map_err(|e| RuntimeError::Disk {
-                    disk: d.name.clone(),
-                    message: e.to_string(),
-                })?;
-            drives.push((i, d.name, d.serial, d.read_only));
+            let blockdev = match d.disk {
+                DiskBacking::Volume(disk) => {
+                    let export = Export::new(disk).read_only(d.read_only);
+                    server
+                        .add_export(&d.name, export)
+                        .map_err(|e| RuntimeError::Disk {
+                            disk: d.name.clone(),
+                            message: e.to_string(),
+                        })?;
+                    format!(
+                        "driver=nbd,server.type=unix,server.path={},export={}",
+                        qemu_opt(&sock.display().to_string()),
+                        d.name
+                    )
+                }
+                DiskBacking::File(path) => format!(
+                    "driver=raw,file.driver=file,file.filename={}",
+                    qemu_opt(&path.display().to_string())
+                ),
+            };
+            drives.push((i, blockdev, d.serial, d.read_only));
         }
         let listener = {
             let _guard = ctx.io.enter();
@@ -161,10 +181,9 @@ impl VmRuntime for QemuRuntime {
         if let Some(i) = &spec.initramfs {
             cmd.arg("-initrd").arg(i);
         }
-        for (i, name, serial, ro) in &drives {
+        for (i, blockdev, serial, ro) in &drives {
             cmd.arg("-blockdev").arg(format!(
-                "driver=nbd,server.type=unix,server.path={},export={name},node-name=disk{i}{}",
-                sock.display(),
+                "{blockdev},node-name=disk{i}{}",
                 if *ro { ",read-only=on" } else { "" }
             ));
             cmd.arg("-device")

@@ -3,23 +3,29 @@
 //! `/dev/kvm`; each volume is a virtio-blk disk served in process through
 //! blockrepl's `AsyncVolumeBackend`: every guest request is a task on the
 //! volume engine's runtime, so up to a queue's worth are in flight and no
-//! device thread waits for the replicas.
+//! device thread waits for the replicas. A file disk (a cloud-init seed) is
+//! a file-backed virtio-blk disk (`DiskConfig`, inline engine) in its place
+//! in the guest's disk order.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sheaf_blockrepl::frontend::vmm::{AsyncVolumeBackend, VolumeBackend};
+use sheaf_vmm::devices::virtio::block::engine::open_disk;
 use sheaf_vmm::devices::virtio::block::request::{DiskInfo, Request, RequestType};
 use sheaf_vmm::devices::virtio::block::{AsyncBlockBackend, Completion};
 use sheaf_vmm::memory::GuestMemory;
-use sheaf_vmm::{BootProtocol, ExitReason, SerialSink, Vm, VmConfig, VmState};
+use sheaf_vmm::{
+    BootProtocol, DiskConfig, ExitReason, IoEngine, SerialSink, Vm, VmConfig, VmState,
+};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::launcher::metrics::{DiskIoStats, OpHistogram};
 
 use super::{
-    AttachedDisk, ConsoleInput, RunningVm, RuntimeContext, RuntimeError, VmExit, VmRuntime, VmSpec,
+    AttachedDisk, ConsoleInput, DiskBacking, RunningVm, RuntimeContext, RuntimeError, VmExit,
+    VmRuntime, VmSpec,
 };
 
 /// sheaf-vmm in the launcher process.
@@ -177,13 +183,35 @@ impl VmRuntime for VmmRuntime {
         }
         let cfg = b.build().map_err(|e| RuntimeError::Config(e.to_string()))?;
         let mut vb = Vm::builder(cfg);
+        // In the guest's disk order: volumes and files interleave.
         for d in disks {
-            let backend =
-                VolumeBackend::new(d.disk, ctx.io.clone(), &d.serial).with_read_only(d.read_only);
-            vb = vb.async_disk_backend(Arc::new(TimedBackend::new(
-                backend.into_async(),
-                d.io_stats,
-            )));
+            match d.disk {
+                DiskBacking::Volume(disk) => {
+                    let backend = VolumeBackend::new(disk, ctx.io.clone(), &d.serial)
+                        .with_read_only(d.read_only);
+                    vb = vb.async_disk_backend(Arc::new(TimedBackend::new(
+                        backend.into_async(),
+                        d.io_stats,
+                    )));
+                }
+                DiskBacking::File(path) => {
+                    // A seed of a few MiB, read once at boot: served inline
+                    // on the device thread, no I/O threads of its own.
+                    let cfg = DiskConfig {
+                        path: path.clone(),
+                        read_only: d.read_only,
+                        id: Some(d.serial.clone()),
+                        io_engine: IoEngine::Sync,
+                        io_threads: None,
+                        queues: None,
+                    };
+                    let backend = open_disk(&cfg).map_err(|e| RuntimeError::Disk {
+                        disk: d.name.clone(),
+                        message: format!("{}: {e}", path.display()),
+                    })?;
+                    vb = vb.async_disk_backend(backend);
+                }
+            }
         }
         let console = ctx.console.clone();
         vb = vb.serial_sink(SerialSink::Callback(Box::new(move |b: &[u8]| {

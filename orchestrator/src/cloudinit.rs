@@ -1,17 +1,22 @@
 // SPDX-License-Identifier: Apache-2.0
-//! cloud-init NoCloud seed disks (KubeVirt's `cloudInitNoCloud` volume).
+//! cloud-init seed disks: KubeVirt's `cloudInitNoCloud` (and
+//! `cloudInitConfigDrive`) volumes.
 //!
 //! ```text
 //!   VMI volume cloudInitNoCloud ─┬─ userData | userDataBase64 | secretRef ──► user-data
 //!                                ├─ networkData | …Base64 | networkDataSecretRef ► network-config
 //!                                └─ (instance uid, hostname) ─────────────────► meta-data
-//!        NoCloudSeed::image() ─► FAT image, volume label `cidata` (fatfs, in process)
+//!        Seed::image() ─► FAT image, volume label `cidata` (fatfs, in process)
 //!        write_seed() ─► <launcher dir>/cidata-<volume>.img, 0600 ─► read-only virtio-blk disk
 //! ```
 //!
 //! The image is made in Rust (the `fatfs` crate): no `mkfs` or `genisoimage`
 //! runs on the node. cloud-init's NoCloud data source finds it by its
 //! label (`blkid -t LABEL=cidata`) and reads the three files at its root.
+//! A config drive is the same FAT image with label `config-2` and the files
+//! under `openstack/latest/` (`meta_data.json`, `user_data`,
+//! `network_data.json`), which cloud-init's ConfigDrive source accepts on
+//! vfat as on iso9660.
 //!
 //! Limits: the API refuses inline data over KubeVirt's 2048 bytes
 //! ([`INLINE_MAX_BYTES`], checked at admission); data from a Secret may be
@@ -26,13 +31,50 @@ use std::path::{Path, PathBuf};
 use k8s_openapi::api::core::v1::Secret;
 
 use crate::names::{self, PathError};
-use crate::resources::kubevirt::CloudInit;
 pub use crate::resources::kubevirt::{
     CLOUD_INIT_INLINE_MAX_BYTES as INLINE_MAX_BYTES, decode_std_base64 as decode_base64,
 };
+use crate::resources::kubevirt::{CloudInit, VmVolume};
 
-/// The volume label cloud-init looks for (11 bytes, space padded).
-pub const LABEL: [u8; 11] = *b"cidata     ";
+/// Which cloud-init data source a seed is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// NoCloud (`cloudInitNoCloud`): label `cidata`, `meta-data`,
+    /// `user-data`, `network-config` at the root.
+    NoCloud,
+    /// OpenStack config drive (`cloudInitConfigDrive`): label `config-2`,
+    /// `openstack/latest/{meta_data.json, user_data, network_data.json}`.
+    ConfigDrive,
+}
+
+impl Flavor {
+    /// The volume label cloud-init looks for (11 bytes, space padded).
+    pub fn label(self) -> [u8; 11] {
+        match self {
+            Flavor::NoCloud => *b"cidata     ",
+            Flavor::ConfigDrive => *b"config-2   ",
+        }
+    }
+
+    /// The volume source's field name.
+    pub fn field(self) -> &'static str {
+        match self {
+            Flavor::NoCloud => "cloudInitNoCloud",
+            Flavor::ConfigDrive => "cloudInitConfigDrive",
+        }
+    }
+
+    /// The flavor and data of a cloud-init volume, if it is one.
+    pub fn of(v: &VmVolume) -> Option<(Flavor, &CloudInit)> {
+        v.cloud_init_no_cloud
+            .as_ref()
+            .map(|c| (Flavor::NoCloud, c))
+            .or(v
+                .cloud_init_config_drive
+                .as_ref()
+                .map(|c| (Flavor::ConfigDrive, c)))
+    }
+}
 /// Largest file in a seed (1 MiB, the size cap of a Kubernetes Secret).
 pub const MAX_FILE_BYTES: usize = 1 << 20;
 /// Smallest seed image.
@@ -124,14 +166,17 @@ pub struct Instance<'a> {
     pub hostname: &'a str,
 }
 
-/// The three files of a NoCloud seed.
+/// The files of a seed.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NoCloudSeed {
-    /// `meta-data`.
+pub struct Seed {
+    /// The data source it is for.
+    pub flavor: Flavor,
+    /// `meta-data` (YAML) or `meta_data.json`.
     pub meta_data: Vec<u8>,
-    /// `user-data` (empty when only network config was given).
-    pub user_data: Vec<u8>,
-    /// `network-config`, when given.
+    /// `user-data` / `user_data`, when given (NoCloud writes an empty
+    /// `user-data` without it: cloud-init requires the file).
+    pub user_data: Option<Vec<u8>>,
+    /// `network-config` / `network_data.json`, when given.
     pub network_config: Option<Vec<u8>>,
 }
 
@@ -216,15 +261,16 @@ pub fn secret_names(ci: &CloudInit) -> impl Iterator<Item = &str> {
         .map(|r| r.name.as_str())
 }
 
-impl NoCloudSeed {
+impl Seed {
     /// The seed for cloud-init volume `ci` (`field` is its path, for
     /// errors); `secrets` holds the Secrets of [`secret_names`] that exist.
     pub fn new(
+        flavor: Flavor,
         ci: &CloudInit,
         field: &str,
         inst: &Instance<'_>,
         secrets: &BTreeMap<String, Secret>,
-    ) -> Result<NoCloudSeed, SeedError> {
+    ) -> Result<Seed, SeedError> {
         let user_data = source(
             field,
             ("userData", ci.user_data.as_deref()),
@@ -246,29 +292,54 @@ impl NoCloudSeed {
             inst,
             secrets,
         )?;
-        let meta_data = format!(
-            "instance-id: {}\nlocal-hostname: {}\n",
-            yaml_str(inst.uid),
-            yaml_str(inst.hostname)
-        )
+        let meta_data = match flavor {
+            Flavor::NoCloud => format!(
+                "instance-id: {}\nlocal-hostname: {}\n",
+                yaml_str(inst.uid),
+                yaml_str(inst.hostname)
+            ),
+            // KubeVirt's ConfigDriveMetadata fields.
+            Flavor::ConfigDrive => format!(
+                "{}\n",
+                serde_json::json!({
+                    "instance_id": inst.uid,
+                    "uuid": inst.uid,
+                    "hostname": inst.hostname,
+                    "local-hostname": inst.hostname,
+                })
+            ),
+        }
         .into_bytes();
-        Ok(NoCloudSeed {
+        Ok(Seed {
+            flavor,
             meta_data,
-            user_data: user_data.unwrap_or_default(),
+            user_data: match flavor {
+                Flavor::NoCloud => Some(user_data.unwrap_or_default()),
+                Flavor::ConfigDrive => user_data,
+            },
             network_config,
         })
     }
 
-    /// The files, as (name, bytes).
+    /// The files, as (path in the image, bytes).
     pub fn files(&self) -> Vec<(&'static str, &[u8])> {
-        let mut f = vec![
-            ("meta-data", self.meta_data.as_slice()),
-            ("user-data", self.user_data.as_slice()),
-        ];
-        if let Some(n) = &self.network_config {
-            f.push(("network-config", n.as_slice()));
-        }
-        f
+        let names = match self.flavor {
+            Flavor::NoCloud => ["meta-data", "user-data", "network-config"],
+            Flavor::ConfigDrive => [
+                "openstack/latest/meta_data.json",
+                "openstack/latest/user_data",
+                "openstack/latest/network_data.json",
+            ],
+        };
+        [
+            Some(self.meta_data.as_slice()),
+            self.user_data.as_deref(),
+            self.network_config.as_deref(),
+        ]
+        .into_iter()
+        .zip(names)
+        .filter_map(|(d, n)| Some((n, d?)))
+        .collect()
     }
 
     /// Size of the image: the data and 1 MiB for the file system, rounded
@@ -279,9 +350,9 @@ impl NoCloudSeed {
         ((data + MIB).div_ceil(MIB) * MIB).max(MIN_IMAGE_BYTES)
     }
 
-    /// The FAT image: label `cidata` (`fatfs` writes it in the boot sector
-    /// and as the root directory's volume label entry, where `blkid` looks
-    /// first), the files at its root. The same seed always gives the same
+    /// The FAT image: the flavor's label (`fatfs` writes it in the boot
+    /// sector and as the root directory's volume label entry, where `blkid`
+    /// looks first) and the files. The same seed always gives the same
     /// bytes (no clock: every timestamp is 1980-01-01).
     pub fn image(&self, volume_id: u32) -> Result<Vec<u8>, SeedError> {
         let size = self.image_size();
@@ -289,7 +360,7 @@ impl NoCloudSeed {
         fatfs::format_volume(
             &mut disk,
             fatfs::FormatVolumeOptions::new()
-                .volume_label(LABEL)
+                .volume_label(self.flavor.label())
                 .volume_id(volume_id),
         )
         .map_err(SeedError::Fat)?;
@@ -299,7 +370,17 @@ impl NoCloudSeed {
                 .map_err(SeedError::Fat)?;
             let root = fs.root_dir();
             for (name, data) in self.files() {
-                let mut f = root.create_file(name).map_err(SeedError::Fat)?;
+                // Parent directories first (`openstack/latest`).
+                let mut dir = root.clone();
+                let mut parts: Vec<&str> = name.split('/').collect();
+                let file = parts.pop().unwrap_or(name);
+                for p in parts {
+                    dir = match dir.open_dir(p) {
+                        Ok(d) => d,
+                        Err(_) => dir.create_dir(p).map_err(SeedError::Fat)?,
+                    };
+                }
+                let mut f = dir.create_file(file).map_err(SeedError::Fat)?;
                 f.write_all(data).map_err(SeedError::Fat)?;
                 f.flush().map_err(SeedError::Fat)?;
             }
@@ -321,9 +402,12 @@ pub fn volume_id(uid: &str) -> u32 {
 }
 
 /// The seed file name of cloud-init volume `volume` (one plain file name,
-/// checked again by [`write_seed`]).
-pub fn seed_file_name(volume: &str) -> String {
-    format!("cidata-{volume}.img")
+/// checked again by [`write_seed`]): `cidata-<volume>.img` or
+/// `config-2-<volume>.img`.
+pub fn seed_file_name(flavor: Flavor, volume: &str) -> String {
+    let label = flavor.label();
+    let label = String::from_utf8_lossy(&label);
+    format!("{}-{volume}.img", label.trim_end())
 }
 
 /// Writes `image` to `dir/file` with mode 0600: a new temporary file

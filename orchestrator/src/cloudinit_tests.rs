@@ -74,7 +74,8 @@ fn seed_reads_back_with_blkid_mtools_and_fatfs() {
         network_data: Some(NET.into()),
         ..Default::default()
     };
-    let seed = NoCloudSeed::new(
+    let seed = Seed::new(
+        Flavor::NoCloud,
         &ci,
         "spec.volumes[1].cloudInitNoCloud",
         &INST,
@@ -89,7 +90,12 @@ fn seed_reads_back_with_blkid_mtools_and_fatfs() {
         "reproducible"
     );
     let dir = tempfile::tempdir().unwrap();
-    let path = write_seed(dir.path(), &seed_file_name("cloudinitdisk"), &img).unwrap();
+    let path = write_seed(
+        dir.path(),
+        &seed_file_name(Flavor::NoCloud, "cloudinitdisk"),
+        &img,
+    )
+    .unwrap();
     assert_eq!(path, dir.path().join("cidata-cloudinitdisk.img"));
     let mode = std::fs::metadata(&path).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "the seed may hold secrets");
@@ -150,8 +156,8 @@ fn base64_and_secret_sources() {
         "net".to_string(),
         secret(&[("networkdata", NET.as_bytes())], &[]),
     );
-    let s = NoCloudSeed::new(&ci, "v", &INST, &secrets).unwrap();
-    assert_eq!(s.user_data, USER.as_bytes());
+    let s = Seed::new(Flavor::NoCloud, &ci, "v", &INST, &secrets).unwrap();
+    assert_eq!(s.user_data.as_deref(), Some(USER.as_bytes()));
     assert_eq!(s.network_config.as_deref(), Some(NET.as_bytes()));
 
     // secretRef: `userdata`, else `userData`; stringData wins over data.
@@ -166,19 +172,21 @@ fn base64_and_secret_sources() {
             &[("userData", "from stringData")],
         ),
     );
-    let s = NoCloudSeed::new(&ci, "v", &INST, &secrets).unwrap();
-    assert_eq!(s.user_data, b"from stringData");
+    let s = Seed::new(Flavor::NoCloud, &ci, "v", &INST, &secrets).unwrap();
+    assert_eq!(s.user_data.as_deref(), Some(&b"from stringData"[..]));
     assert_eq!(s.network_config, None);
     secrets.insert("ud".into(), secret(&[("userdata", b"lower")], &[]));
     assert_eq!(
-        NoCloudSeed::new(&ci, "v", &INST, &secrets)
+        Seed::new(Flavor::NoCloud, &ci, "v", &INST, &secrets)
             .unwrap()
-            .user_data,
-        b"lower"
+            .user_data
+            .as_deref(),
+        Some(&b"lower"[..])
     );
 
     // Missing Secret or key: waiting, with a message naming it.
-    let e = NoCloudSeed::new(
+    let e = Seed::new(
+        Flavor::NoCloud,
         &ci,
         "spec.volumes[0].cloudInitNoCloud",
         &INST,
@@ -191,7 +199,7 @@ fn base64_and_secret_sources() {
         "spec.volumes[0].cloudInitNoCloud.secretRef: Secret default/ud not found"
     );
     secrets.insert("ud".into(), secret(&[("other", b"x")], &[]));
-    let e = NoCloudSeed::new(&ci, "v", &INST, &secrets).unwrap_err();
+    let e = Seed::new(Flavor::NoCloud, &ci, "v", &INST, &secrets).unwrap_err();
     assert!(e.is_waiting_for_secret());
     assert_eq!(
         e.to_string(),
@@ -206,7 +214,8 @@ fn hostile_input_is_refused() {
         user_data_base64: Some("not base64!".into()),
         ..Default::default()
     };
-    let e = NoCloudSeed::new(
+    let e = Seed::new(
+        Flavor::NoCloud,
         &ci,
         "spec.volumes[1].cloudInitNoCloud",
         &INST,
@@ -229,7 +238,7 @@ fn hostile_input_is_refused() {
     let mut secrets = BTreeMap::new();
     let big = vec![b'x'; MAX_FILE_BYTES + 1];
     secrets.insert("big".to_string(), secret(&[("userdata", &big)], &[]));
-    let e = NoCloudSeed::new(&ci, "v", &INST, &secrets).unwrap_err();
+    let e = Seed::new(Flavor::NoCloud, &ci, "v", &INST, &secrets).unwrap_err();
     assert_eq!(
         e.to_string(),
         "Secret default/big: 1048577 bytes is over the 1048576-byte limit of a cloud-init seed file"
@@ -237,7 +246,7 @@ fn hostile_input_is_refused() {
     // Exactly the limit fits: the image grows and the file reads back whole.
     let max: Vec<u8> = (0..MAX_FILE_BYTES).map(|i| (i % 251) as u8).collect();
     secrets.insert("big".to_string(), secret(&[("userdata", &max)], &[]));
-    let seed = NoCloudSeed::new(&ci, "v", &INST, &secrets).unwrap();
+    let seed = Seed::new(Flavor::NoCloud, &ci, "v", &INST, &secrets).unwrap();
     let img = seed.image(1).unwrap();
     assert_eq!(img.len(), 3 << 20);
     let dir = tempfile::tempdir().unwrap();
@@ -249,7 +258,14 @@ fn hostile_input_is_refused() {
         hostname: "vm\ninstance-id: other",
         ..INST
     };
-    let s = NoCloudSeed::new(&CloudInit::default(), "v", &inst, &BTreeMap::new()).unwrap();
+    let s = Seed::new(
+        Flavor::NoCloud,
+        &CloudInit::default(),
+        "v",
+        &inst,
+        &BTreeMap::new(),
+    )
+    .unwrap();
     let meta = String::from_utf8(s.meta_data).unwrap();
     assert_eq!(meta.lines().count(), 2, "{meta}");
     assert!(meta.ends_with("local-hostname: \"vm\\ninstance-id: other\"\n"));
@@ -283,4 +299,56 @@ fn hostile_input_is_refused() {
     write_seed(dir.path(), "u.img", b"seed").unwrap();
     assert_eq!(std::fs::read(dir.path().join("u.img")).unwrap(), b"seed");
     assert!(!dir.path().join(".u.img.tmp").exists());
+}
+
+#[test]
+fn config_drive_reads_back_with_blkid_and_mtools() {
+    let ci = CloudInit {
+        user_data: Some(USER.into()),
+        network_data: Some("{\"links\": []}".into()),
+        ..Default::default()
+    };
+    let seed = Seed::new(Flavor::ConfigDrive, &ci, "v", &INST, &BTreeMap::new()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_seed(
+        dir.path(),
+        &seed_file_name(Flavor::ConfigDrive, "cfg"),
+        &seed.image(7).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(path, dir.path().join("config-2-cfg.img"));
+    let id = blkid(&path);
+    assert!(
+        id.contains("LABEL=config-2\n") && id.contains("TYPE=vfat\n"),
+        "{id}"
+    );
+    assert_eq!(mtype(&path, "openstack/latest/user_data"), USER.as_bytes());
+    assert_eq!(
+        mtype(&path, "openstack/latest/network_data.json"),
+        b"{\"links\": []}"
+    );
+    let meta: serde_json::Value =
+        serde_json::from_slice(&mtype(&path, "openstack/latest/meta_data.json")).unwrap();
+    assert_eq!(meta["uuid"], INST.uid);
+    assert_eq!(meta["instance_id"], INST.uid);
+    assert_eq!(meta["hostname"], "vm1");
+
+    // Without user data a config drive has no user_data file (NoCloud
+    // always has an empty user-data).
+    let only_net = CloudInit {
+        network_data: Some("{}".into()),
+        ..Default::default()
+    };
+    let cd = Seed::new(Flavor::ConfigDrive, &only_net, "v", &INST, &BTreeMap::new()).unwrap();
+    let names: Vec<&str> = cd.files().iter().map(|(n, _)| *n).collect();
+    assert_eq!(
+        names,
+        [
+            "openstack/latest/meta_data.json",
+            "openstack/latest/network_data.json"
+        ]
+    );
+    let nc = Seed::new(Flavor::NoCloud, &only_net, "v", &INST, &BTreeMap::new()).unwrap();
+    let names: Vec<&str> = nc.files().iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, ["meta-data", "user-data", "network-config"]);
 }

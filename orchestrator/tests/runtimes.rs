@@ -285,20 +285,25 @@ async fn qemu_launcher_boots_linux_on_a_replicated_volume() {
     v.detach().await.unwrap();
 }
 
-/// The guest side of a NoCloud seed: a stock Linux kernel under QEMU finds
-/// the seed by its label, mounts it and reads the files cloud-init reads;
-/// the disk is read-only to it.
+/// The guest side of the seeds: a stock Linux kernel under QEMU finds each
+/// by its label in disk order (config drive `vda`, the volume `vdb`, NoCloud
+/// `vdc`), mounts them and reads the files cloud-init reads; the seeds are
+/// read-only to it, the volume is not.
 const SEED_SCRIPT: &str = r#"
 . /etc/sheaf/lib.sh
-sheaf_wait_block /dev/vdb 100 || { echo "SHEAF-GUEST: FAIL no /dev/vdb"; exit 1; }
+sheaf_wait_block /dev/vdc 100 || { echo "SHEAF-GUEST: FAIL no /dev/vdc"; exit 1; }
 echo "SHEAF-GUEST: label-dev=$(findfs LABEL=cidata)"
+echo "SHEAF-GUEST: config-2-dev=$(findfs LABEL=config-2)"
 mkdir -p /seed
-mount -t vfat -o ro /dev/vdb /seed || { echo "SHEAF-GUEST: FAIL mount"; exit 1; }
+mount -t vfat -o ro /dev/vdc /seed || { echo "SHEAF-GUEST: FAIL mount"; exit 1; }
 echo "SHEAF-GUEST: files=$(ls /seed | tr '\n' ' ')"
 while IFS= read -r l; do echo "SHEAF-SEED: $l"; done < /seed/user-data
 umount /seed
-echo "SHEAF-GUEST: ro=$(cat /sys/block/vdb/ro)"
-dd if=/dev/zero of=/dev/vdb bs=512 count=1 2>/dev/null && echo "SHEAF-GUEST: FAIL seed written"
+mount -t vfat -o ro /dev/vda /seed || { echo "SHEAF-GUEST: FAIL mount config drive"; exit 1; }
+echo "SHEAF-GUEST: config-2-meta=$(cat /seed/openstack/latest/meta_data.json)"
+umount /seed
+echo "SHEAF-GUEST: ro=$(cat /sys/block/vda/ro)$(cat /sys/block/vdb/ro)$(cat /sys/block/vdc/ro)"
+dd if=/dev/zero of=/dev/vdc bs=512 count=1 2>/dev/null && echo "SHEAF-GUEST: FAIL seed written"
 echo "SHEAF-GUEST: OK"
 "#;
 
@@ -306,7 +311,7 @@ echo "SHEAF-GUEST: OK"
 async fn qemu_linux_guest_reads_the_cloud_init_seed() {
     use std::collections::BTreeMap;
 
-    use sheaf_orchestrator::cloudinit::{self, Instance, NoCloudSeed};
+    use sheaf_orchestrator::cloudinit::{self, Flavor, Instance, Seed};
     use sheaf_orchestrator::launcher::LaunchFileDisk;
     use sheaf_orchestrator::resources::kubevirt::CloudInit;
 
@@ -353,10 +358,10 @@ async fn qemu_linux_guest_reads_the_cloud_init_seed() {
         uid: "uid-1",
         hostname: "linux",
     };
-    let seed = NoCloudSeed::new(&ci, "v", &inst, &BTreeMap::new()).unwrap();
+    let seed = Seed::new(Flavor::NoCloud, &ci, "v", &inst, &BTreeMap::new()).unwrap();
     let path = cloudinit::write_seed(
         &s.dir,
-        &cloudinit::seed_file_name("cloudinitdisk"),
+        &cloudinit::seed_file_name(Flavor::NoCloud, "cloudinitdisk"),
         &seed.image(cloudinit::volume_id(inst.uid)).unwrap(),
     )
     .unwrap();
@@ -365,7 +370,21 @@ async fn qemu_linux_guest_reads_the_cloud_init_seed() {
         path,
         serial: "cloudinitdisk".into(),
         read_only: true,
-        position: 1,
+        position: 2,
+    });
+    let cd = Seed::new(Flavor::ConfigDrive, &ci, "v", &inst, &BTreeMap::new()).unwrap();
+    let path = cloudinit::write_seed(
+        &s.dir,
+        &cloudinit::seed_file_name(Flavor::ConfigDrive, "configdrive"),
+        &cd.image(1).unwrap(),
+    )
+    .unwrap();
+    s.file_disks.push(LaunchFileDisk {
+        name: "configdrive".into(),
+        path,
+        serial: "configdrive".into(),
+        read_only: true,
+        position: 0,
     });
     let mut c = launch(&s);
     let st = wait_exit(&mut c, Duration::from_secs(240));
@@ -374,9 +393,19 @@ async fn qemu_linux_guest_reads_the_cloud_init_seed() {
     assert!(console.contains("SHEAF-GUEST: OK"), "{console}");
     assert!(!console.contains("FAIL"), "{console}");
     assert!(
-        console.contains("SHEAF-GUEST: label-dev=/dev/vdb"),
+        console.contains("SHEAF-GUEST: label-dev=/dev/vdc"),
         "{console}"
     );
+    assert!(
+        console.contains("SHEAF-GUEST: config-2-dev=/dev/vda"),
+        "{console}"
+    );
+    assert!(
+        console.contains(r#"SHEAF-GUEST: config-2-meta={"hostname":"linux""#),
+        "{console}"
+    );
+    // Seeds read-only, the volume writable.
+    assert!(console.contains("SHEAF-GUEST: ro=101"), "{console}");
     assert!(
         console.contains("SHEAF-GUEST: files=meta-data user-data "),
         "{console}"

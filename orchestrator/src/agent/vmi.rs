@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use tracing::{info, warn};
 
 use super::{Shared, launchers, lock};
-use crate::cloudinit::{self, NoCloudSeed, SeedError};
+use crate::cloudinit::{self, Flavor, Seed, SeedError};
 use crate::controllers::runner::{Action, KeyMapper, ObjectKey, Reconciler};
 use crate::controllers::util::*;
 use crate::controllers::{ControllerError, ControllerResult};
@@ -180,11 +180,11 @@ pub(crate) fn launch_spec(
             .iter()
             .find(|v| v.name == disk.name)
             .ok_or(format!("disk {:?} has no volume", disk.name))?;
-        if vol.cloud_init_no_cloud.is_some() {
+        if let Some((flavor, _)) = Flavor::of(vol) {
             // The seed is written next to the spec just before the launch.
             file_disks.push(LaunchFileDisk {
                 name: disk.name.clone(),
-                path: names::child(&dir, &cloudinit::seed_file_name(&vol.name))
+                path: names::child(&dir, &cloudinit::seed_file_name(flavor, &vol.name))
                     .map_err(|e| e.to_string())?,
                 serial: serial(disk),
                 read_only: true,
@@ -194,7 +194,7 @@ pub(crate) fn launch_spec(
         }
         let Some(vname) = vol.sheaf_volume_name() else {
             return Err(format!(
-                "volume {:?}: only persistentVolumeClaim / dataVolume (sheaf Volumes) and cloudInitNoCloud are supported by the sheaf runtimes",
+                "volume {:?}: only persistentVolumeClaim / dataVolume (sheaf Volumes), cloudInitNoCloud and cloudInitConfigDrive are supported by the sheaf runtimes",
                 vol.name
             ));
         };
@@ -530,7 +530,7 @@ impl AgentVmiReconciler {
             .spec
             .volumes
             .iter()
-            .filter_map(|v| v.cloud_init_no_cloud.as_ref())
+            .filter_map(|v| Some(Flavor::of(v)?.1))
             .flat_map(cloudinit::secret_names)
         {
             match self.shared.store.get_typed::<Secret>(ns, n).await {
@@ -568,15 +568,19 @@ impl AgentVmiReconciler {
                 .iter()
                 .enumerate()
                 .find(|(_, v)| v.name == fd.name)
-                .and_then(|(i, v)| Some((i, v.cloud_init_no_cloud.as_ref()?)))
+                .and_then(|(i, v)| Some((i, Flavor::of(v)?)))
             else {
                 continue;
             };
-            let field = format!("spec.volumes[{i}].cloudInitNoCloud");
-            let image = NoCloudSeed::new(ci, &field, inst, secrets)?
+            let (flavor, ci) = ci;
+            let field = format!("spec.volumes[{i}].{}", flavor.field());
+            let image = Seed::new(flavor, ci, &field, inst, secrets)?
                 .image(cloudinit::volume_id(inst.uid))?;
-            let path =
-                cloudinit::write_seed(&spec.dir, &cloudinit::seed_file_name(&fd.name), &image)?;
+            let path = cloudinit::write_seed(
+                &spec.dir,
+                &cloudinit::seed_file_name(flavor, &fd.name),
+                &image,
+            )?;
             debug_assert_eq!(path, fd.path);
             info!(vmi = %ns_name(vmi), disk = %fd.name, bytes = image.len(), "cloud-init seed written");
         }

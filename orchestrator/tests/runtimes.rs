@@ -147,6 +147,7 @@ fn probe_vm(args: &str) -> VmSpec {
         kernel: sheaf_vmm::probe::elf_path().to_path_buf(),
         initramfs: None,
         cmdline: format!("console=ttyS0 {args}"),
+        boot_disk: None,
     }
 }
 
@@ -267,6 +268,7 @@ async fn qemu_launcher_boots_linux_on_a_replicated_volume() {
         kernel: image.kernel.clone(),
         initramfs: Some(image.initramfs.clone()),
         cmdline: sheaf_testkit::guest::DEFAULT_CMDLINE.into(),
+        boot_disk: None,
     };
     let s = spec(tmp.path(), &r, "qemu", vm, 5);
     let mut c = launch(&s);
@@ -346,6 +348,7 @@ async fn qemu_linux_guest_reads_the_cloud_init_seed() {
         kernel: image.kernel.clone(),
         initramfs: Some(image.initramfs.clone()),
         cmdline: sheaf_testkit::guest::DEFAULT_CMDLINE.into(),
+        boot_disk: None,
     };
     let mut s = spec(tmp.path(), &r, "qemu", vm, 1);
     let user_data = "#cloud-config\nruncmd:\n  - [echo, sheaf-marker]\n";

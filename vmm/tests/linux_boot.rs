@@ -144,3 +144,109 @@ fn debian_cloud_image_boots_from_its_own_disk_to_systemd() {
         started.elapsed()
     );
 }
+
+/// The Harvester user's first action, on sheaf-vmm: the Debian cloud disk
+/// boots with a NoCloud seed (a FAT disk labelled `cidata`, made with
+/// `mkfs.fat` + `mcopy` as KubeVirt's `cloudInitNoCloud` would), cloud-init
+/// creates the user with the SSH key from user-data, sets the hostname from
+/// meta-data, generates the SSH host keys, runs `runcmd` and powers off.
+#[test]
+fn debian_cloud_image_runs_cloud_init_from_a_nocloud_seed() {
+    if sheaf_testkit::skip_slow("debian_cloud_init") {
+        return;
+    }
+    sheaf_testkit::init_tracing();
+    let image = sheaf_testkit::debian::DebianImage::build().unwrap();
+    let vmm = static_build::build_example("sheaf-vmm", "run_vm").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let key =
+        "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGJ4c2hlYWZ0ZXN0a2V5MDEyMzQ1Njc4OWFiY2RlZg sheaf@test";
+    std::fs::write(
+        dir.path().join("meta-data"),
+        "instance-id: iid-sheaf-ci-1\nlocal-hostname: sheaf-guest\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("user-data"),
+        format!(
+            "#cloud-config\n\
+             users:\n  - name: sheaf\n    shell: /bin/bash\n    sudo: ALL=(ALL) NOPASSWD:ALL\n    ssh_authorized_keys:\n      - {key}\n\
+             runcmd:\n  - [sh, -c, 'echo SHEAF-CI-BEGIN > /dev/console; hostname > /dev/console; \
+             cat /home/sheaf/.ssh/authorized_keys > /dev/console; ls /etc/ssh/ssh_host_ed25519_key.pub > /dev/console; \
+             echo SHEAF-CI-END > /dev/console']\n\
+             power_state:\n  mode: poweroff\n  condition: true\n"
+        ),
+    )
+    .unwrap();
+    let seed = dir.path().join("cidata.img");
+    let f = std::fs::File::create(&seed).unwrap();
+    f.set_len(2 << 20).unwrap();
+    drop(f);
+    let ok = |c: &mut std::process::Command| {
+        let o = c.output().unwrap();
+        assert!(
+            o.status.success(),
+            "{c:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    ok(std::process::Command::new("mkfs.fat")
+        .args(["-n", "CIDATA"])
+        .arg(&seed));
+    for name in ["meta-data", "user-data"] {
+        ok(std::process::Command::new("mcopy")
+            .arg("-i")
+            .arg(&seed)
+            .arg(dir.path().join(name))
+            .arg(format!("::{name}")));
+    }
+    let out = NestedBox::new()
+        .memory_mib(2048)
+        .disk(&image.raw)
+        .file("cidata.img", &seed)
+        .env("MEM_MIB", "768")
+        .env("VCPUS", "2")
+        .env("WAIT_S", "1200")
+        .env("PROGRESS_S", "60")
+        .timeout(Duration::from_secs(1500))
+        .run(
+            &vmm,
+            [
+                "--from-disk",
+                "-",
+                "console=ttyS0 panic=-1",
+                "/dev/vdc",
+                "cidata.img",
+            ],
+        )
+        .unwrap();
+    eprintln!("---- program output ----\n{}\n---- end ----", out.output);
+    let all: Vec<&str> = out.output.lines().map(str::trim).collect();
+    let begin = all
+        .iter()
+        .position(|l| *l == "SHEAF-CI-BEGIN")
+        .unwrap_or_else(|| panic!("cloud-init never ran runcmd:\n{}", out.output));
+    let end = all[begin..]
+        .iter()
+        .position(|l| *l == "SHEAF-CI-END")
+        .map(|e| begin + e)
+        .unwrap_or_else(|| panic!("runcmd did not finish:\n{}", out.output));
+    let lines = &all[begin + 1..end];
+    assert!(lines.contains(&"sheaf-guest"), "hostname: {lines:?}");
+    assert!(lines.contains(&key), "authorized_keys: {lines:?}");
+    assert!(
+        lines.contains(&"/etc/ssh/ssh_host_ed25519_key.pub"),
+        "host keys: {lines:?}"
+    );
+    assert!(
+        out.output.contains("sheaf-vmm: guest exited: Shutdown"),
+        "cloud-init's power_state did not power off cleanly:\n{}",
+        out.output
+    );
+    assert_eq!(out.exit_status, 0, "{}", out.output);
+    eprintln!(
+        "debian_cloud_init: program ran {:?} in the box (box total {:?})",
+        out.timings.program_runtime(),
+        out.timings.total
+    );
+}

@@ -6,6 +6,7 @@
 //! and removes the launcher finalizer once a launcher is gone.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -109,13 +110,12 @@ pub(crate) fn launch_spec(
 ) -> Result<Option<LaunchSpec>, String> {
     let cfg = &shared.config;
     let d = &vmi.spec.domain;
-    let kb = d
-        .firmware
-        .as_ref()
-        .and_then(|f| f.kernel_boot.as_ref())
-        .ok_or(
-            "sheaf runtimes boot kernels directly: spec.domain.firmware.kernelBoot is required",
-        )?;
+    let kb = d.firmware.as_ref().and_then(|f| f.kernel_boot.as_ref());
+    let Some(kb) = kb else {
+        // No kernelBoot: the guest's own disk carries its kernel (a cloud
+        // image), booted by sheaf-vmm's disk boot.
+        return disk_boot_spec(shared, vmi, volumes);
+    };
     let image = kb
         .container
         .as_ref()
@@ -146,6 +146,74 @@ pub(crate) fn launch_spec(
             .map_err(|e| format!("kernelBoot.container: {e}"))?;
         (kernel, initrd, cfg.linux_runtime.clone())
     };
+    let cmdline = kb
+        .kernel_args
+        .clone()
+        .unwrap_or_else(|| "console=ttyS0".into());
+    build_spec(
+        shared,
+        vmi,
+        volumes,
+        default_runtime,
+        kernel,
+        initramfs,
+        cmdline,
+        None,
+    )
+}
+
+/// The launch spec of a VMI without kernelBoot: boot the kernel inside its
+/// boot disk (the lowest `bootOrder`, else the first volume disk).
+fn disk_boot_spec(
+    shared: &Shared,
+    vmi: &VirtualMachineInstance,
+    volumes: &[Volume],
+) -> Result<Option<LaunchSpec>, String> {
+    let disks = &vmi.spec.domain.devices.disks;
+    let is_seed = |name: &str| {
+        vmi.spec
+            .volumes
+            .iter()
+            .find(|v| v.name == name)
+            .is_some_and(|v| Flavor::of(v).is_some())
+    };
+    let by_order = disks
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| d.boot_order.map(|o| (o, i)))
+        .min()
+        .map(|(_, i)| i);
+    let position = by_order
+        .or_else(|| disks.iter().position(|d| !is_seed(&d.name)))
+        .ok_or(
+            "no disk to boot from: add a persistentVolumeClaim or dataVolume disk holding a \
+             bootable image, or set spec.domain.firmware.kernelBoot",
+        )?;
+    build_spec(
+        shared,
+        vmi,
+        volumes,
+        "sheaf-vmm".to_string(),
+        PathBuf::new(),
+        None,
+        "console=ttyS0".into(),
+        Some(position),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_spec(
+    shared: &Shared,
+    vmi: &VirtualMachineInstance,
+    volumes: &[Volume],
+    default_runtime: String,
+    kernel: PathBuf,
+    initramfs: Option<PathBuf>,
+    cmdline: String,
+    boot_disk: Option<usize>,
+) -> Result<Option<LaunchSpec>, String> {
+    let cfg = &shared.config;
+    let d = &vmi.spec.domain;
     let runtime = vmi
         .metadata
         .annotations
@@ -246,10 +314,8 @@ pub(crate) fn launch_spec(
             memory_mib: (mem >> 20).max(16),
             kernel,
             initramfs,
-            cmdline: kb
-                .kernel_args
-                .clone()
-                .unwrap_or_else(|| "console=ttyS0".into()),
+            cmdline,
+            boot_disk,
         },
         disks,
         file_disks,

@@ -307,7 +307,7 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
     };
     let mut vm: Box<dyn RunningVm> = match runtime.start(&spec.vm, attached, &ctx) {
         Ok(vm) => vm,
-        Err(e) => return fail(format!("starting the VM: {e}")),
+        Err(e) => return fail(format!("starting the VM: {}", error_chain(&e))),
     };
     rep.publish(|s| s.phase = LauncherPhase::Running);
     info!(instance = %spec.instance, runtime = %spec.runtime, "VM running");
@@ -374,6 +374,22 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
             rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), v.detach()).await });
     }
     finish(exit)
+}
+
+/// `e` and its sources, `: `-separated (a source already shown at the end
+/// of the text is not repeated), so the reason names the root cause.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let m = s.to_string();
+        if !text.ends_with(&m) {
+            text.push_str(": ");
+            text.push_str(&m);
+        }
+        source = s.source();
+    }
+    text
 }
 
 /// The guest's disks: the volumes in their order, each file disk inserted

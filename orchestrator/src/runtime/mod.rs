@@ -52,6 +52,10 @@ pub struct VmSpec {
     /// Kernel command line.
     #[serde(default)]
     pub cmdline: String,
+    /// Boot the kernel and initramfs inside this guest disk (index in the
+    /// guest's disk order) instead of `kernel` (sheaf-vmm's disk boot).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_disk: Option<usize>,
 }
 
 /// What a guest disk reads and writes.

@@ -163,6 +163,13 @@ impl VmRuntime for QemuRuntime {
                 tracing::warn!(error = %e, "NBD server stopped");
             }
         });
+        if spec.boot_disk.is_some() {
+            return Err(RuntimeError::Config(
+                "the qemu runtime boots kernels directly; booting the kernel inside a disk \
+                 (no spec.domain.firmware.kernelBoot) needs the sheaf-vmm runtime"
+                    .into(),
+            ));
+        }
         let mut cmd = Command::new(&self.binary);
         cmd.args(["-machine", &self.machine]);
         // `kvm:tcg` becomes `-accel kvm -accel tcg` (QEMU falls back in order).

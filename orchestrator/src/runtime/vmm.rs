@@ -171,8 +171,13 @@ impl VmRuntime for VmmRuntime {
         let mut b = VmConfig::builder()
             .name(&spec.name)
             .vcpus(spec.vcpus.max(1))
-            .memory_mib(spec.memory_mib.max(16))
-            .kernel(&spec.kernel)
+            .memory_mib(spec.memory_mib.max(16));
+        b = match spec.boot_disk {
+            // The kernel, initramfs and root=UUID come from inside the disk.
+            Some(i) => b.boot_from_disk(i, None),
+            None => b.kernel(&spec.kernel),
+        };
+        let mut b = b
             .cmdline(&spec.cmdline)
             // The probe guest finds its disks on the command line; Linux
             // finds them in ACPI and ignores the parameter.

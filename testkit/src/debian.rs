@@ -169,8 +169,16 @@ impl DebianImageBuilder {
         let cache = self.cache.unwrap_or_else(crate::cache_dir).join("debian");
         let name = format!("{}-{hash}", self.suite);
         let dir = cache.join(&name);
+        fs::create_dir_all(&cache).map_err(io_err("create cache dir", &cache))?;
+        // One build at a time (tests run in parallel): the others wait here
+        // and then find the finished image.
+        let lock_path = cache.join(format!(".{name}.lock"));
+        let lock = fs::File::create(&lock_path).map_err(io_err("create", &lock_path))?;
+        // SAFETY: flock on a descriptor we own; released when `lock` drops.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
+            return Err(io_err("lock", &lock_path)(std::io::Error::last_os_error()));
+        }
         if !dir.join("manifest").is_file() {
-            fs::create_dir_all(&cache).map_err(io_err("create cache dir", &cache))?;
             let tmp = tempfile::Builder::new()
                 .prefix(".build-")
                 .tempdir_in(&cache)

@@ -91,6 +91,16 @@ pub enum Error {
         /// The name asked for.
         name: String,
     },
+    /// Another process (or handle) already serves this replica directory.
+    #[error(
+        "replica directory {path} is already open{holder}; two servers may not share a replica"
+    )]
+    DirInUse {
+        /// The directory.
+        path: String,
+        /// ` (pid N)` when the holder wrote its pid.
+        holder: String,
+    },
     /// An invalid argument (bad name, shrinking resize, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

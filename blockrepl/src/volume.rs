@@ -186,6 +186,39 @@ pub fn open_replica(path: &Path, max_lease_us: u64, restart_guard: bool) -> Resu
     ReplicaThread::spawn(core, "sheaf-replica")
 }
 
+/// Takes the exclusive lock of a replica directory for a server process
+/// (`sheaf-replica`, the launcher's local replica): keep the returned lock
+/// for as long as the process serves `path`. A second process on the same
+/// directory gets [`Error::DirInUse`] naming the holder's pid, instead of
+/// two servers overwriting each other's commits. (In-process replicas,
+/// which tests restart on one directory, do not take it.)
+///
+/// Waits up to `wait` for a holder to let go (a predecessor that is still
+/// exiting) before giving up.
+pub fn lock_replica_dir(path: &Path, wait: Duration) -> Result<crate::store::disk::DirLock> {
+    use crate::store::disk::{DirLock, DirLockError};
+    StdDir::new(path).map_err(Error::store("open directory"))?;
+    let deadline = std::time::Instant::now() + wait;
+    let got = loop {
+        match DirLock::acquire(path) {
+            Err(DirLockError::Held(_)) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r => break r,
+        }
+    };
+    got.map_err(|e| match e {
+        DirLockError::Held(pid) => Error::DirInUse {
+            path: path.display().to_string(),
+            holder: pid.map(|p| format!(" (pid {p})")).unwrap_or_default(),
+        },
+        DirLockError::Io(source) => Error::Store {
+            op: "lock directory",
+            source,
+        },
+    })
+}
+
 type Reply = oneshot::Sender<Result<OpOutput>>;
 
 enum Cmd {

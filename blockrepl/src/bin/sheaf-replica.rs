@@ -14,7 +14,9 @@ use anyhow::Context;
 use clap::Parser;
 use sheaf_blockrepl::net::server::serve;
 use sheaf_blockrepl::net::{LinkProtection, Secret};
-use sheaf_blockrepl::volume::{create_replacement_replica, create_replica, open_replica};
+use sheaf_blockrepl::volume::{
+    create_replacement_replica, create_replica, lock_replica_dir, open_replica,
+};
 
 #[derive(Parser, Debug)]
 #[command(about = "Serve a sheaf replica store over authenticated TCP")]
@@ -64,6 +66,9 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    // One server per directory, for the life of this process.
+    let _dir_lock = lock_replica_dir(&args.dir, std::time::Duration::from_secs(5))
+        .context("lock the replica directory")?;
     let secret = Secret::from_file(&args.secret_file)
         .context("secret")?
         .with_protection(args.link_protection);

@@ -116,6 +116,60 @@ fn kernel_boot_id() -> u64 {
     })
 }
 
+/// Name of the lock file in a replica directory.
+pub const DIR_LOCK_FILE: &str = ".sheaf-replica.lock";
+
+/// An exclusive `flock` on a replica directory's lock file, held while the
+/// replica is served: two servers on one directory would each overwrite the
+/// other's commits. Released when dropped (or when the process dies).
+#[derive(Debug)]
+pub struct DirLock {
+    _file: File,
+}
+
+/// What [`DirLock::acquire`] can meet.
+#[derive(Debug)]
+pub enum DirLockError {
+    /// Someone holds it; the pid it wrote, if any.
+    Held(Option<u32>),
+    /// The lock file could not be opened or locked.
+    Io(io::Error),
+}
+
+impl DirLock {
+    /// Takes the lock on `dir` without waiting, and writes this process's id
+    /// into the lock file (created 0600).
+    pub fn acquire(dir: &Path) -> Result<DirLock, DirLockError> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        let path = dir.join(DIR_LOCK_FILE);
+        let mut f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(DirLockError::Io)?;
+        // SAFETY: flock on a descriptor we own; no memory is involved.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                let mut pid = String::new();
+                let _ = f.read_to_string(&mut pid);
+                return Err(DirLockError::Held(pid.trim().parse().ok()));
+            }
+            return Err(DirLockError::Io(e));
+        }
+        f.set_len(0)
+            .and_then(|_| f.rewind())
+            .and_then(|_| write!(f, "{}", std::process::id()))
+            .map_err(DirLockError::Io)?;
+        Ok(DirLock { _file: f })
+    }
+}
+
 /// A store directory on the local file system.
 #[derive(Debug, Clone)]
 pub struct StdDir {

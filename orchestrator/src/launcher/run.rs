@@ -15,7 +15,8 @@ use sheaf_blockrepl::net::Secret;
 use sheaf_blockrepl::net::server::serve;
 use sheaf_blockrepl::proto::engine::Phase;
 use sheaf_blockrepl::volume::{
-    Volume, VolumeConfig, create_replacement_replica, create_replica, open_local_replica,
+    Volume, VolumeConfig, create_replacement_replica, create_replica, lock_replica_dir,
+    open_local_replica,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
@@ -466,6 +467,9 @@ pub struct ReplicaArgs {
 pub fn run_replica(args: ReplicaArgs) -> Result<(), LauncherError> {
     let secret = Secret::from_file(&args.secret_file)?;
     std::fs::create_dir_all(&args.dir).map_err(io("create replica directory"))?;
+    // One server per directory for the life of this process (a predecessor
+    // still exiting gets a few seconds to let go).
+    let _dir_lock = lock_replica_dir(&args.dir, Duration::from_secs(5))?;
     if let Some(size) = args.create_size
         && !args.dir.join("superblock").exists()
     {

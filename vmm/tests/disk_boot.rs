@@ -489,3 +489,67 @@ fn debian_cloud_image_kernel_initramfs_and_root_are_found() {
         f.bytes_read
     );
 }
+
+#[test]
+fn a_kernel_larger_than_the_cap_is_refused_before_it_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = debian_like_root(dir.path(), &probe_kernel());
+    // A sparse 300 MiB "kernel": the inode says so, the blocks are holes.
+    let big = root.join("boot/vmlinuz-6.1.0-99-probe");
+    let f = std::fs::OpenOptions::new().write(true).open(&big).unwrap();
+    f.set_len(300 * MIB).unwrap();
+    drop(f);
+    let img = image(dir.path(), "gpt", &[Fs::Ext4(&root, ROOT_UUID)]);
+    let e = find(&img).unwrap_err();
+    assert!(
+        matches!(e, BootError::DiskFileTooLarge { size, .. } if size == 300 * MIB),
+        "{e}"
+    );
+}
+
+mod hostile_images {
+    use super::*;
+    use proptest::prelude::*;
+    use std::sync::OnceLock;
+
+    /// A valid GPT + ext4 image (built once), as bytes.
+    fn pristine() -> &'static [u8] {
+        static IMG: OnceLock<Vec<u8>> = OnceLock::new();
+        IMG.get_or_init(|| {
+            let dir = tempfile::tempdir().unwrap();
+            let root = debian_like_root(dir.path(), &probe_kernel());
+            let img = image(dir.path(), "gpt", &[Fs::Ext4(&root, ROOT_UUID)]);
+            std::fs::read(img).unwrap()
+        })
+    }
+
+    fn find_in(bytes: Vec<u8>) -> Result<DiskBootFiles, BootError> {
+        let b: Arc<dyn AsyncBlockBackend> = Arc::new(SyncAdapter::new(Arc::new(
+            MemBackend::from_bytes(bytes, "hostile"),
+        )));
+        disk::find(b, 0, None)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Corrupting the partition table or the file system's metadata
+        /// (superblock, group descriptors, bitmaps, inode tables,
+        /// directories) gives a boot error or the right files, never a
+        /// panic, a hang or an unbounded allocation.
+        #[test]
+        fn corrupted_images_never_panic(
+            flips in proptest::collection::vec((0u64..(3 * MIB), any::<u8>()), 1..64),
+        ) {
+            let mut img = pristine().to_vec();
+            for (at, v) in flips {
+                // The GPT (first 34 sectors) or the first 2 MiB of the
+                // ext4 partition at 1 MiB, where its metadata lives.
+                let off = if at < 34 * 512 { at } else { MIB + at % (2 * MIB) };
+                img[off as usize] ^= v | 1;
+            }
+            if let Ok(f) = find_in(img) {
+                prop_assert!(f.kernel.len() as u64 <= disk::MAX_KERNEL_BYTES);
+            }
+        }
+    }
+}

@@ -28,6 +28,7 @@ use sha2::{Digest, Sha256};
 use tracing::info;
 
 use crate::error::{Result, TestkitError, io_err};
+use crate::image::{publish_dir, short_hash};
 
 const SCRIPT: &str = include_str!("scripts/debian-image.sh");
 
@@ -153,11 +154,10 @@ impl DebianImageBuilder {
         }
         h.update(self.size_mib.to_le_bytes());
         let digest = h.finalize();
-        let hash: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+        let hash = short_hash(&digest);
         // The root UUID is derived from the inputs: the same inputs give the
         // same image identity.
-        let u: Vec<String> = digest[8..24].iter().map(|b| format!("{b:02x}")).collect();
-        let u = u.concat();
+        let u: String = digest[8..24].iter().map(|b| format!("{b:02x}")).collect();
         let root_uuid = format!(
             "{}-{}-4{}-8{}-{}",
             &u[0..8],
@@ -179,29 +179,20 @@ impl DebianImageBuilder {
             return Err(io_err("lock", &lock_path)(std::io::Error::last_os_error()));
         }
         if !dir.join("manifest").is_file() {
-            let tmp = tempfile::Builder::new()
-                .prefix(".build-")
-                .tempdir_in(&cache)
-                .map_err(io_err("create temp dir in", &cache))?;
             let started = Instant::now();
             info!(suite = %self.suite, dir = %dir.display(), "building the Debian image (mmdebstrap)");
-            run_script(
-                tmp.path(),
-                &[
-                    ("SUITE", self.suite.as_str()),
-                    ("MIRROR", self.mirror.as_str()),
-                    ("PACKAGES", &self.packages.join(",")),
-                    ("SIZE_MIB", &self.size_mib.to_string()),
-                    ("ROOT_UUID", &root_uuid),
-                ],
-            )?;
-            let tmp_path = tmp.keep();
-            if let Err(e) = fs::rename(&tmp_path, &dir) {
-                let _ = fs::remove_dir_all(&tmp_path);
-                if !dir.join("manifest").is_file() {
-                    return Err(io_err("rename into", &dir)(e));
-                }
-            }
+            publish_dir(&cache, &name, |tmp| {
+                run_script(
+                    tmp,
+                    &[
+                        ("SUITE", self.suite.as_str()),
+                        ("MIRROR", self.mirror.as_str()),
+                        ("PACKAGES", &self.packages.join(",")),
+                        ("SIZE_MIB", &self.size_mib.to_string()),
+                        ("ROOT_UUID", &root_uuid),
+                    ],
+                )
+            })?;
             info!(elapsed = ?started.elapsed(), "Debian image built");
         }
         let text = fs::read_to_string(dir.join("manifest"))

@@ -126,7 +126,7 @@ pub(crate) fn assemble(
 /// Creates `parent/name` atomically: fills a temporary sibling with `fill`,
 /// then renames it into place. If another process won the race, its
 /// directory is kept and ours is discarded.
-fn publish_dir(
+pub(crate) fn publish_dir(
     parent: &Path,
     name: &str,
     fill: impl FnOnce(&Path) -> Result<()>,
@@ -152,7 +152,7 @@ fn publish_dir(
     Ok(dir)
 }
 
-fn short_hash(digest: &[u8]) -> String {
+pub(crate) fn short_hash(digest: &[u8]) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 

@@ -122,6 +122,19 @@ fn file_backend(img: &Path) -> Arc<dyn AsyncBlockBackend> {
     )))
 }
 
+/// `img` read-only on the VM's default engine (io_uring where allowed).
+fn uring_backend(img: &Path) -> Arc<dyn AsyncBlockBackend> {
+    engine::open_disk(&DiskConfig {
+        path: img.to_path_buf(),
+        read_only: true,
+        id: None,
+        io_engine: IoEngine::Auto,
+        io_threads: None,
+        queues: None,
+    })
+    .unwrap()
+}
+
 fn find(img: &Path) -> Result<DiskBootFiles, BootError> {
     disk::find(file_backend(img), 0, None)
 }
@@ -430,15 +443,7 @@ fn probe_guest_boots_from_an_embedder_backend_and_keeps_an_explicit_root() {
         "{out}"
     );
     // io_uring engine through engine::open_disk reads the image too.
-    let b = engine::open_disk(&DiskConfig {
-        path: img.clone(),
-        read_only: true,
-        id: None,
-        io_engine: IoEngine::Auto,
-        io_threads: None,
-        queues: None,
-    })
-    .unwrap();
+    let b = uring_backend(&img);
     assert_eq!(disk::find(b, 0, None).unwrap().root_uuid, ROOT_UUID);
 }
 
@@ -453,15 +458,7 @@ fn debian_cloud_image_kernel_initramfs_and_root_are_found() {
         return;
     }
     let image = sheaf_testkit::debian::DebianImage::build().unwrap();
-    let b = engine::open_disk(&DiskConfig {
-        path: image.raw.clone(),
-        read_only: true,
-        id: None,
-        io_engine: IoEngine::Auto,
-        io_threads: None,
-        queues: None,
-    })
-    .unwrap();
+    let b = uring_backend(&image.raw);
     let f = disk::find(b, 0, None).unwrap();
     let v = &image.kernel_version;
     assert!(v.ends_with("-cloud-amd64"), "{v}");

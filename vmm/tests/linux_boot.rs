@@ -73,6 +73,19 @@ fn stock_linux_boots_reads_marker_writes_reply_and_powers_off() {
     );
 }
 
+/// The box the Debian tests boot in: the cached image as L1's `/dev/vdc`
+/// (never written), a 768 MiB 2-vCPU guest for `run_vm`.
+fn debian_box(image: &sheaf_testkit::debian::DebianImage) -> NestedBox {
+    NestedBox::new()
+        .memory_mib(2048)
+        .disk(&image.raw)
+        .env("MEM_MIB", "768")
+        .env("VCPUS", "2")
+        .env("WAIT_S", "1200")
+        .env("PROGRESS_S", "60")
+        .timeout(Duration::from_secs(1500))
+}
+
 /// The Debian 12 cloud disk (built from packages by `scripts/guest-image
 /// debian`) boots from its own disk on sheaf-vmm: disk boot reads the
 /// kernel and initramfs out of the image's ext4 root, the initramfs finds
@@ -94,14 +107,7 @@ fn debian_cloud_image_boots_from_its_own_disk_to_systemd() {
         findmnt -no SOURCE,FSTYPE / >/dev/console; readlink /proc/1/exe >/dev/console'\" \
         systemd.run_success_action=poweroff systemd.run_failure_action=poweroff";
     let started = std::time::Instant::now();
-    let out = NestedBox::new()
-        .memory_mib(2048)
-        .disk(&image.raw)
-        .env("MEM_MIB", "768")
-        .env("VCPUS", "2")
-        .env("WAIT_S", "1200")
-        .env("PROGRESS_S", "60")
-        .timeout(Duration::from_secs(1500))
+    let out = debian_box(&image)
         .run(&vmm, ["--from-disk", "-", cmdline, "/dev/vdc"])
         .unwrap();
     eprintln!("---- program output ----\n{}\n---- end ----", out.output);
@@ -200,15 +206,8 @@ fn debian_cloud_image_runs_cloud_init_from_a_nocloud_seed() {
             .arg(dir.path().join(name))
             .arg(format!("::{name}")));
     }
-    let out = NestedBox::new()
-        .memory_mib(2048)
-        .disk(&image.raw)
+    let out = debian_box(&image)
         .file("cidata.img", &seed)
-        .env("MEM_MIB", "768")
-        .env("VCPUS", "2")
-        .env("WAIT_S", "1200")
-        .env("PROGRESS_S", "60")
-        .timeout(Duration::from_secs(1500))
         .run(
             &vmm,
             [

@@ -119,9 +119,10 @@ fn kernel_boot_id() -> u64 {
 /// Name of the lock file in a replica directory.
 pub const DIR_LOCK_FILE: &str = ".sheaf-replica.lock";
 
-/// An exclusive `flock` on a replica directory's lock file, held while the
-/// replica is served: two servers on one directory would each overwrite the
-/// other's commits. Released when dropped (or when the process dies).
+/// An exclusive `flock` on a lock file, held while a directory is served
+/// (a replica's, or the control plane's store): two servers on one directory
+/// would each overwrite the other's commits. Released when dropped (or when
+/// the process dies).
 #[derive(Debug)]
 pub struct DirLock {
     _file: File,
@@ -137,12 +138,17 @@ pub enum DirLockError {
 }
 
 impl DirLock {
-    /// Takes the lock on `dir` without waiting, and writes this process's id
-    /// into the lock file (created 0600).
+    /// Takes the lock of replica directory `dir` ([`DIR_LOCK_FILE`]) without
+    /// waiting.
     pub fn acquire(dir: &Path) -> Result<DirLock, DirLockError> {
+        Self::acquire_file(&dir.join(DIR_LOCK_FILE))
+    }
+
+    /// Takes the lock on the file `path` (created 0600, never through a
+    /// symbolic link) without waiting, and writes this process's id into it.
+    pub fn acquire_file(path: &Path) -> Result<DirLock, DirLockError> {
         use std::io::{Read, Seek, Write};
         use std::os::fd::AsRawFd;
-        let path = dir.join(DIR_LOCK_FILE);
         let mut f = OpenOptions::new()
             .read(true)
             .write(true)
@@ -150,7 +156,7 @@ impl DirLock {
             .truncate(false)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&path)
+            .open(path)
             .map_err(DirLockError::Io)?;
         // SAFETY: flock on a descriptor we own; no memory is involved.
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {

@@ -77,7 +77,7 @@ fn parse_event(rv: u64, v: Value) -> Option<Event> {
 pub(crate) struct RedbBackend {
     db: Database,
     /// The directory lock, held while the store is open.
-    _lock: std::fs::File,
+    _lock: sheaf_blockrepl::store::disk::DirLock,
 }
 
 impl Backend for RedbBackend {

@@ -103,7 +103,7 @@ pub fn find(
     let mut searched = Vec::new();
     let mut found = None;
     for (p, fs) in &filesystems {
-        match kernel_in(fs, p.number)? {
+        match kernel_in(fs, p.number) {
             Some(k) => {
                 found = Some((*p, fs, k));
                 break;
@@ -244,8 +244,8 @@ fn looks_like_boot_sector_fs(head: &[u8]) -> bool {
 
 /// The kernel (and its initramfs) in `fs`: the distribution's symlinks
 /// first, then the newest versioned kernel in /boot.
-#[allow(clippy::type_complexity)]
-fn kernel_in(fs: &Ext4, part: u32) -> Result<Option<(String, Option<String>)>, BootError> {
+/// Returns the kernel's path and its initramfs's, if any.
+fn kernel_in(fs: &Ext4, part: u32) -> Option<(String, Option<String>)> {
     let regular = |p: &str| {
         fs.metadata(p)
             .is_ok_and(|m| m.file_type().is_regular_file())
@@ -257,7 +257,7 @@ fn kernel_in(fs: &Ext4, part: u32) -> Result<Option<(String, Option<String>)>, B
         if regular(k) {
             let kernel = canonical(fs, k).unwrap_or_else(|| k.to_string());
             let initrd = regular(i).then(|| canonical(fs, i).unwrap_or_else(|| i.to_string()));
-            return Ok(Some((kernel, initrd)));
+            return Some((kernel, initrd));
         }
     }
     // A separate /boot partition has its kernels at its root.
@@ -285,10 +285,10 @@ fn kernel_in(fs: &Ext4, part: u32) -> Result<Option<(String, Option<String>)>, B
                 .map(|n| join(dir, &n))
                 .find(|p| regular(p));
             tracing::debug!(partition = part, kernel = %k, "newest versioned kernel");
-            return Ok(Some((k, initrd)));
+            return Some((k, initrd));
         }
     }
-    Ok(None)
+    None
 }
 
 fn join(dir: &str, name: &str) -> String {

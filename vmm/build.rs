@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-//! Builds the probe guest (`guest/probe.rs`) into a freestanding ELF with
+//! Builds the probe guest (`guest/probe.rs` and its modules) into a freestanding ELF with
 //! the host's x86_64-unknown-linux-gnu target: no std, no libc, static,
 //! linked at 2 MiB by `guest/probe.ld`. Its path is exported to the crate
 //! as `SHEAF_PROBE_ELF`.
@@ -15,6 +15,10 @@ fn main() {
     let src = manifest.join("guest/probe.rs");
     let ld = manifest.join("guest/probe.ld");
     println!("cargo:rerun-if-changed={}", src.display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        manifest.join("guest/net.rs").display()
+    );
     println!("cargo:rerun-if-changed={}", ld.display());
     let elf = out.join("sheaf-probe.elf");
     let rustc = env::var("RUSTC").unwrap_or_else(|_| "rustc".into());

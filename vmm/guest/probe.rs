@@ -15,6 +15,10 @@
 //! routed through the IOAPIC. It ends by writing a status to the debug-exit
 //! port 0xf4: 0 when every check passed, otherwise the failed check's code.
 //!
+//! With `probe.ip=A.B.C.D` it then drives the first virtio-net card and
+//! answers ARP, ICMP echo and UDP echo (port 7) until told to quit (see
+//! `net.rs`).
+//!
 //! Command-line switches: `probe.token=T` (echoed), `probe.need_disk=1`,
 //! `probe.spin=1` / `probe.halt=1` (stay alive instead of exiting),
 //! `probe.log=N` (+ `probe.log_base=SECTOR`, `probe.log_pause=ITER`): verify
@@ -31,6 +35,8 @@
 use core::arch::{asm, global_asm};
 use core::ptr::{read_volatile, write_volatile};
 use core::sync::atomic::{AtomicU64, Ordering, fence};
+
+mod net;
 
 global_asm!(
     r#"
@@ -854,6 +860,12 @@ extern "C" fn probe_main(pvh: u64, info: u64) -> ! {
     }
     if !tested && find(bi.cmdline, b"probe.need_disk=1").is_some() {
         fail(0x20, "no virtio-blk device found");
+    }
+    if find(bi.cmdline, b"probe.ip=").is_some() {
+        match devs[..n].iter().find(|&&(base, _)| rd32(base) == 0x7472_6976 && rd32(base + 8) == 1) {
+            Some(&(base, irq)) => net::net_test(base, irq, bi.cmdline),
+            None => fail(0x40, "no virtio-net card found"),
+        }
     }
     puts("probe: PASS\n");
     if find(bi.cmdline, b"probe.halt=1").is_some() {

@@ -81,6 +81,14 @@ pub enum ConfigError {
     /// `io_threads` set for an engine that does not use threads.
     #[error("disk {0:?}: io_threads only applies to io_engine \"threads\" or \"auto\"")]
     IoThreadsUnused(PathBuf),
+    /// A network card's settings are invalid.
+    #[error("network card {index}: {message}")]
+    Net {
+        /// Position in `nets`.
+        index: usize,
+        /// What is wrong.
+        message: String,
+    },
     /// The serial ring buffer capacity is zero or above 64 MiB.
     #[error("serial ring capacity must be between 1 byte and 64 MiB, got {0}")]
     SerialRing(usize),
@@ -227,6 +235,21 @@ pub struct DiskConfig {
     pub queues: Option<u16>,
 }
 
+/// A virtio-net card on a Linux tap interface.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NetConfig {
+    /// Tap interface name (at most 15 bytes). An existing tap of that name
+    /// is attached (create it with `ip tuntap add NAME mode tap vnet_hdr`),
+    /// otherwise one is created in the network namespace of the thread
+    /// that creates the VM, and removed with it.
+    pub tap: String,
+    /// MAC address (`02:00:00:00:00:01`); default: a locally administered
+    /// address derived from the VM name and the card's position.
+    #[serde(default)]
+    pub mac: Option<String>,
+}
+
 /// Where the guest's serial console output (COM1) goes. Output is also
 /// always kept in an in-memory ring readable through
 /// [`crate::Vm::console`].
@@ -262,6 +285,10 @@ pub struct VmConfig {
     /// File-backed virtio-blk disks, in order (`/dev/vda`, `/dev/vdb`, ...).
     #[serde(default)]
     pub disks: Vec<DiskConfig>,
+    /// virtio-net cards on tap interfaces, after the disks on the
+    /// virtio-mmio bus (`eth0`, `eth1`, ... in a Linux guest).
+    #[serde(default)]
+    pub nets: Vec<NetConfig>,
     /// Serial console sink.
     #[serde(default)]
     pub serial: SerialConfig,
@@ -288,6 +315,7 @@ impl VmConfig {
                 memory: MemoryConfig::default(),
                 kernel: KernelConfig::default(),
                 disks: Vec::new(),
+                nets: Vec::new(),
                 serial: SerialConfig::default(),
                 serial_ring_bytes: default_ring(),
             },
@@ -303,7 +331,7 @@ impl VmConfig {
         if self.memory.size_mib < MIN_MEMORY_MIB || self.memory.size_mib > 1 << 20 {
             return Err(ConfigError::MemorySize(self.memory.size_mib));
         }
-        let ndev = self.disks.len() + extra_devices;
+        let ndev = self.disks.len() + self.nets.len() + extra_devices;
         match &self.kernel.from_disk {
             None if self.kernel.path.as_os_str().is_empty() => {
                 return Err(ConfigError::MissingKernel);
@@ -368,6 +396,21 @@ impl VmConfig {
                         path: d.path.clone(),
                         got: n,
                     });
+                }
+            }
+        }
+        let mut taps = std::collections::HashSet::new();
+        let mut macs = std::collections::HashSet::new();
+        for (index, n) in self.nets.iter().enumerate() {
+            let err = |message: String| ConfigError::Net { index, message };
+            crate::devices::virtio::net::check_tap_name(&n.tap).map_err(err)?;
+            if !taps.insert(n.tap.as_str()) {
+                return Err(err(format!("tap {:?} is used by two cards", n.tap)));
+            }
+            if let Some(m) = &n.mac {
+                let mac = crate::devices::virtio::net::MacAddr::parse(m).map_err(err)?;
+                if !macs.insert(mac) {
+                    return Err(err(format!("MAC address {m} is used by two cards")));
                 }
             }
         }
@@ -458,6 +501,19 @@ impl VmConfigBuilder {
     /// Add a disk with full settings.
     pub fn disk_config(mut self, disk: DiskConfig) -> Self {
         self.cfg.disks.push(disk);
+        self
+    }
+    /// Add a virtio-net card on tap `tap` (MAC derived from the VM name).
+    pub fn net_tap(mut self, tap: impl Into<String>) -> Self {
+        self.cfg.nets.push(NetConfig {
+            tap: tap.into(),
+            mac: None,
+        });
+        self
+    }
+    /// Add a virtio-net card with full settings.
+    pub fn net_config(mut self, net: NetConfig) -> Self {
+        self.cfg.nets.push(net);
         self
     }
     /// Serial console sink.
@@ -591,5 +647,57 @@ mod tests {
             serde_json::from_str::<VmConfig>(r#"{"vcpus":1,"kernel":{"path":"/k"},"bogus":1}"#)
                 .is_err()
         );
+    }
+
+    #[test]
+    fn net_cards_are_checked() {
+        let net = |tap: &str, mac: Option<&str>| NetConfig {
+            tap: tap.into(),
+            mac: mac.map(str::to_string),
+        };
+        assert!(base().net_tap("tap0").build().is_ok());
+        for (cfg, want) in [
+            (base().net_tap(""), "empty"),
+            (base().net_tap("a/../b"), "may not contain"),
+            (base().net_tap("sixteen-chars-xx"), "at most 15"),
+            (base().net_tap("t0").net_tap("t0"), "used by two cards"),
+            (
+                base().net_config(net("t0", Some("01:00:00:00:00:01"))),
+                "multicast",
+            ),
+            (
+                base().net_config(net("t0", Some("zz:00:00:00:00:01"))),
+                "not hex",
+            ),
+            (
+                base().net_config(net("t0", Some("02:00:00:00:01"))),
+                "six hex bytes",
+            ),
+            (
+                base()
+                    .net_config(net("t0", Some("02:00:00:00:00:01")))
+                    .net_config(net("t1", Some("02-00-00-00-00-01"))),
+                "used by two cards",
+            ),
+        ] {
+            let err = cfg.build().unwrap_err().to_string();
+            assert!(
+                err.contains(want) && err.starts_with("network card"),
+                "{err}"
+            );
+        }
+        let mut b = base();
+        for i in 0..MAX_VIRTIO_DEVICES {
+            b = b.net_tap(format!("t{i}"));
+        }
+        assert!(b.clone().build().is_ok());
+        assert_eq!(
+            b.disk("d").build(),
+            Err(ConfigError::TooManyDevices(MAX_VIRTIO_DEVICES + 1))
+        );
+        let cfg: VmConfig =
+            serde_json::from_str(r#"{"vcpus":1,"kernel":{"path":"/k"},"nets":[{"tap":"t0"}]}"#)
+                .unwrap();
+        assert_eq!(cfg.nets, vec![net("t0", None)]);
     }
 }

@@ -2,8 +2,9 @@
 //! A KVM virtual machine monitor as an embeddable library, built on rust-vmm.
 //!
 //! sheaf-vmm boots x86_64 Linux (bzImage, or vmlinux ELF through the Linux
-//! 64-bit protocol or PVH) with an 8250 console, virtio-blk disks on
-//! virtio-mmio (described to the guest in ACPI), and one thread per vCPU.
+//! 64-bit protocol or PVH) with an 8250 console, virtio-blk disks and
+//! virtio-net cards on virtio-mmio (described to the guest in ACPI), and
+//! one thread per vCPU.
 //!
 //! # Running a VM
 //!
@@ -62,10 +63,11 @@ mod vm;
 
 pub use config::{
     BootProtocol, DiskBoot, DiskConfig, IoEngine, KernelConfig, MemoryBacking, MemoryConfig,
-    SerialConfig, VmConfig, VmConfigBuilder,
+    NetConfig, SerialConfig, VmConfig, VmConfigBuilder,
 };
 pub use devices::serial::{ConsoleRing, SerialSink};
 pub use devices::virtio::block::backend::{BlockBackend, FileBackend, MemBackend, SECTOR_SIZE};
+pub use devices::virtio::net::{DgramBackend, MacAddr, NetBackend, TapBackend};
 pub use error::{Error, Result};
 pub use exit::ExitReason;
 pub use memory::DirtyRegion;

@@ -153,6 +153,7 @@ impl VmHandle {
             memory: MemoryConfig::default(),
             kernel: KernelConfig::default(),
             disks: Vec::new(),
+            nets: Vec::new(),
             serial: SerialConfig::Ring,
             serial_ring_bytes: DEFAULT_RING,
         };

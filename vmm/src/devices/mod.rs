@@ -28,6 +28,15 @@ pub enum DeviceError {
         #[source]
         source: std::io::Error,
     },
+    /// Opening or creating a tap interface failed.
+    #[error("cannot open tap {name}")]
+    OpenTap {
+        /// Interface name.
+        name: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// Opening the serial output file failed.
     #[error("cannot open serial output {path}")]
     OpenSerialFile {

@@ -113,6 +113,12 @@ impl MmioTransport {
         &self.queue_evts
     }
 
+    /// Host descriptors whose readiness means queue work (see
+    /// [`VirtioDevice::event_sources`]).
+    pub fn event_sources(&self) -> Vec<(std::os::fd::RawFd, usize)> {
+        self.device.event_sources()
+    }
+
     /// Current device status register.
     pub fn status(&self) -> u32 {
         self.status
@@ -195,7 +201,10 @@ impl MmioTransport {
         let more = queue
             .enable_notification(&self.mem)
             .map_err(|e| DeviceFault(format!("avail ring: {e:?}")))?;
-        if more && let Some(evt) = self.queue_evts.get(index) {
+        if more
+            && self.device.wants_buffers(index)
+            && let Some(evt) = self.queue_evts.get(index)
+        {
             let _ = evt.write(1);
         }
         if !used {

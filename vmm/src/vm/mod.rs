@@ -15,6 +15,8 @@
 //! guest through a device, a crashing vCPU, or [`Vm::stop`]) only trips the
 //! exit latch, so the teardown runs once, in one place.
 
+mod attach;
+
 use std::fmt;
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
@@ -24,7 +26,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config};
-use kvm_ioctls::{Cap, IoEventAddress, Kvm, VmFd};
+use kvm_ioctls::{Cap, Kvm, VmFd};
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
@@ -33,10 +35,10 @@ use crate::arch::x86_64::{self, layout};
 use crate::config::{ConfigError, SerialConfig, VmConfig};
 use crate::devices::legacy::{AcpiPm, DebugExit, I8042};
 use crate::devices::serial::{ConsoleRing, SerialDevice, SerialOut, SerialSink};
-use crate::devices::virtio::VirtioInterrupt;
 use crate::devices::virtio::block::backend::BlockBackend;
 use crate::devices::virtio::block::{self, AsyncBlockBackend, BlockStats, VirtioBlock};
-use crate::devices::virtio::mmio::{MmioTransport, QUEUE_NOTIFY};
+use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::net::{MacAddr, NetBackend, NetStats};
 use crate::devices::{Bus, DeviceError};
 use crate::error::{Error, Result};
 use crate::exit::{ExitLatch, ExitReason};
@@ -106,12 +108,19 @@ pub struct VmMetrics {
     pub block_requests: u64,
     /// Block requests that returned an error status.
     pub block_errors: u64,
+    /// Frames delivered to the guest, all network cards.
+    pub net_rx_frames: u64,
+    /// Frames sent by the guest, all network cards.
+    pub net_tx_frames: u64,
+    /// Frames dropped (no guest buffer, backend full, malformed), all cards.
+    pub net_dropped: u64,
 }
 
 /// Attaches run-time objects to a [`VmConfig`] and creates the [`Vm`].
 pub struct VmBuilder {
     config: VmConfig,
     disks: Vec<ExtraDisk>,
+    nets: Vec<attach::ExtraNet>,
     serial: Option<SerialSink>,
 }
 
@@ -128,6 +137,7 @@ impl fmt::Debug for VmBuilder {
         f.debug_struct("VmBuilder")
             .field("config", &self.config)
             .field("extra_disks", &self.disks.len())
+            .field("extra_nets", &self.nets.len())
             .field("serial", &self.serial)
             .finish()
     }
@@ -145,6 +155,13 @@ impl VmBuilder {
     /// Adds a virtio-blk disk served by an asynchronous `backend`.
     pub fn async_disk_backend(mut self, backend: Arc<dyn AsyncBlockBackend>) -> Self {
         self.disks.push(ExtraDisk::Async(backend));
+        self
+    }
+
+    /// Adds a virtio-net card served by `backend`, after the config's
+    /// cards; `mac` defaults to an address derived from the VM name.
+    pub fn net_backend(mut self, backend: Arc<dyn NetBackend>, mac: Option<MacAddr>) -> Self {
+        self.nets.push(attach::ExtraNet { backend, mac });
         self
     }
 
@@ -242,6 +259,7 @@ pub struct Vm {
     serial: Arc<Mutex<SerialDevice>>,
     vcpu_stats: Vec<Arc<VcpuStats>>,
     block_stats: Vec<Arc<BlockStats>>,
+    net_stats: Vec<Arc<NetStats>>,
     dev_thread: Mutex<Option<JoinHandle<()>>>,
     created_at: Instant,
     create_time: Duration,
@@ -282,6 +300,7 @@ impl Vm {
         VmBuilder {
             config,
             disks: Vec::new(),
+            nets: Vec::new(),
             serial: None,
         }
     }
@@ -296,9 +315,10 @@ impl Vm {
         let VmBuilder {
             config,
             disks: extra_disks,
+            nets: extra_nets,
             serial,
         } = b;
-        config.validate(extra_disks.len())?;
+        config.validate(extra_disks.len() + extra_nets.len())?;
         if let Some(d) = &config.kernel.from_disk {
             let n = config.disks.len() + extra_disks.len();
             if d.disk >= n {
@@ -398,8 +418,6 @@ impl Vm {
                 1,
             ));
         }
-        let mut transports = Vec::new();
-        let mut acpi_devs = Vec::new();
         let mut block_stats = Vec::new();
         // Disk boot reads the image through the backend the guest will use,
         // before the device takes it over.
@@ -416,40 +434,28 @@ impl Vm {
             }
             _ => config.kernel.cmdline.clone(),
         };
+        let mut bus = attach::VirtioBus {
+            vm_fd: &vm_fd,
+            mem: &mem,
+            mmio: &mut mmio,
+            transports: Vec::new(),
+            acpi_devs: Vec::new(),
+            cmdline: config.kernel.cmdline_virtio_devices.then(String::new),
+        };
         for (i, (backend, queues)) in backends.into_iter().enumerate() {
-            let (base, irq) = layout::virtio_mmio_window(i);
-            let interrupt = VirtioInterrupt::new(irqfd(&vm_fd, irq)?);
             let dev = VirtioBlock::new_multiqueue(backend, queues);
             block_stats.push(dev.stats());
-            let t = MmioTransport::new(
-                format!("virtio-blk{i}"),
-                Box::new(dev),
-                mem.clone(),
-                interrupt,
-            )
-            .map_err(DeviceError::EventFd)?;
-            for (q, evt) in t.queue_evts().iter().enumerate() {
-                let addr = base + QUEUE_NOTIFY;
-                vm_fd
-                    .register_ioevent(evt, &IoEventAddress::Mmio(addr), q as u32)
-                    .map_err(|source| DeviceError::RegisterIoeventfd { addr, source })?;
-            }
-            let t = Arc::new(Mutex::new(t));
-            mmio.insert(base, layout::VIRTIO_MMIO_SIZE, t.clone());
-            transports.push(t);
-            acpi_devs.push(acpi::MmioDevice {
-                base,
-                size: layout::VIRTIO_MMIO_SIZE,
-                irq,
-            });
-            if config.kernel.cmdline_virtio_devices {
-                cmdline.push_str(&format!(
-                    " virtio_mmio.device={}K@{:#x}:{}",
-                    layout::VIRTIO_MMIO_SIZE >> 10,
-                    base,
-                    irq
-                ));
-            }
+            bus.add(format!("virtio-blk{i}"), Box::new(dev))?;
+        }
+        let net_stats = bus.add_nets(&config.name, &config.nets, extra_nets)?;
+        let attach::VirtioBus {
+            transports,
+            acpi_devs,
+            cmdline: devices_cmdline,
+            ..
+        } = bus;
+        if let Some(c) = devices_cmdline {
+            cmdline.push_str(&c);
         }
 
         let rsdp = acpi::write(&mem, config.vcpus, &acpi_devs)?;
@@ -497,6 +503,7 @@ impl Vm {
             serial,
             vcpu_stats,
             block_stats,
+            net_stats,
             dev_thread: Mutex::new(None),
             created_at,
             create_time: created_at.elapsed(),
@@ -508,7 +515,7 @@ impl Vm {
     }
 }
 
-fn irqfd(vm: &VmFd, gsi: u32) -> Result<EventFd> {
+pub(super) fn irqfd(vm: &VmFd, gsi: u32) -> Result<EventFd> {
     let evt = EventFd::new(libc::EFD_NONBLOCK).map_err(DeviceError::EventFd)?;
     vm.register_irqfd(&evt, gsi)
         .map_err(|source| DeviceError::RegisterIrqfd { gsi, source })?;
@@ -604,6 +611,25 @@ impl Vm {
                 .block_stats
                 .iter()
                 .map(|s| s.errors.load(Relaxed))
+                .sum(),
+            net_rx_frames: self
+                .net_stats
+                .iter()
+                .map(|s| s.rx_frames.load(Relaxed))
+                .sum(),
+            net_tx_frames: self
+                .net_stats
+                .iter()
+                .map(|s| s.tx_frames.load(Relaxed))
+                .sum(),
+            net_dropped: self
+                .net_stats
+                .iter()
+                .map(|s| {
+                    s.rx_dropped.load(Relaxed)
+                        + s.tx_dropped.load(Relaxed)
+                        + s.tx_errors.load(Relaxed)
+                })
                 .sum(),
         }
     }
@@ -818,6 +844,8 @@ fn truncate_thread_name(name: &str) -> String {
 const TOKEN_EXIT: u64 = 0;
 const TOKEN_CTL: u64 = 1;
 const TOKEN_QUEUE: u64 = 1 << 32;
+/// Set on queue tokens of host event sources (no eventfd to read).
+const TOKEN_SOURCE: u64 = 1 << 33;
 
 /// The device thread: queue notifications, pause requests, and teardown.
 fn device_loop(
@@ -876,7 +904,18 @@ fn event_loop(shared: &Shared, transports: &[Arc<Mutex<MmioTransport>>]) -> std:
         for (q, evt) in t.queue_evts().iter().enumerate() {
             let token = TOKEN_QUEUE | ((d as u64) << 16) | q as u64;
             add(evt.as_raw_fd(), token)?;
-            queue_fds.push((token, evt.try_clone()?));
+            queue_fds.push((token, Some(evt.try_clone()?)));
+        }
+        for (fd, q) in t.event_sources() {
+            // Edge-triggered: the device reads until the source is empty
+            // or the guest has no buffers (then the guest's kick resumes).
+            let token = TOKEN_QUEUE | TOKEN_SOURCE | ((d as u64) << 16) | q as u64;
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN | EventSet::EDGE_TRIGGERED, token),
+            )?;
+            queue_fds.push((token, None));
         }
     }
     let mut events = vec![EpollEvent::default(); 16];
@@ -901,7 +940,9 @@ fn event_loop(shared: &Shared, transports: &[Arc<Mutex<MmioTransport>>]) -> std:
                     let Some((_, evt)) = queue_fds.iter().find(|(t, _)| *t == token) else {
                         continue;
                     };
-                    let _ = evt.read();
+                    if let Some(evt) = evt {
+                        let _ = evt.read();
+                    }
                     let d = ((token >> 16) & 0xffff) as usize;
                     let q = (token & 0xffff) as usize;
                     if let Some(t) = transports.get(d) {

@@ -324,3 +324,12 @@ fn mac_addresses_parse_and_derive() {
     assert_ne!(a, MacAddr::derived("vm/net1"));
     assert_eq!(a.0[0], 0x02, "locally administered unicast");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+    /// The fuzz target's case on random input: no panic, no broken invariant.
+    #[test]
+    fn random_guests_never_break_the_device(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 514..1200)) {
+        crate::devices::virtio::test_utils::net_fuzz_case(&data);
+    }
+}

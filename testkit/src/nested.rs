@@ -60,6 +60,7 @@ pub const L1_MODULES: &[&str] = &[
     "irqbypass",
     "kvm",
     "kvm_amd",
+    "tun",
 ];
 
 /// The CPU QEMU emulates for L1: AMD SVM with nested paging.

@@ -4,7 +4,8 @@
 //! `run_vm --from-disk [-] [CMDLINE] DISK...` to boot the kernel inside the
 //! first disk (env: MEM_MIB, VCPUS, VIRTIO_CMDLINE=1 to also list virtio-mmio devices on the command line,
 //! WAIT_S=n to stop the guest after n seconds, PROGRESS_S=n to print
-//! metrics every n seconds).
+//! metrics every n seconds, NET_TAP=name [NET_MAC=aa:bb:..] to add a
+//! virtio-net card on that tap).
 #![allow(clippy::unwrap_used)]
 
 use sheaf_vmm::{SerialConfig, Vm, VmConfig};
@@ -37,6 +38,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     for d in args.iter().skip(3) {
         cfg = cfg.disk(d);
+    }
+    if let Ok(tap) = std::env::var("NET_TAP") {
+        cfg = cfg.net_config(sheaf_vmm::NetConfig {
+            tap,
+            mac: std::env::var("NET_MAC").ok(),
+        });
     }
     let vm = Vm::new(cfg.build()?)?;
     vm.start()?;

@@ -247,3 +247,46 @@ fn run_script(out: &Path, env: &[(&str, &str)]) -> Result<()> {
     }
     Ok(())
 }
+
+/// Writes a cloud-init NoCloud seed at `seed`: a 2 MiB FAT file system
+/// labelled `CIDATA` (made with `mkfs.fat` and `mcopy`, as a user would)
+/// holding `files` as `(name, contents)` in its root.
+pub fn nocloud_seed(seed: &Path, files: &[(&str, &str)]) -> Result<()> {
+    let dir = seed.parent().unwrap_or(Path::new("."));
+    let f = fs::File::create(seed).map_err(io_err("create", seed))?;
+    f.set_len(2 << 20).map_err(io_err("size", seed))?;
+    drop(f);
+    let run = |what: &'static str, cmd: &mut Command| -> Result<()> {
+        let out = cmd.output().map_err(|source| TestkitError::Spawn {
+            program: what.into(),
+            source,
+        })?;
+        if !out.status.success() {
+            return Err(TestkitError::ImageBuild {
+                what,
+                status: out.status.to_string(),
+                log_tail: String::from_utf8_lossy(&out.stderr).into_owned(),
+            });
+        }
+        Ok(())
+    };
+    run(
+        "mkfs.fat",
+        Command::new("mkfs.fat").args(["-n", "CIDATA"]).arg(seed),
+    )?;
+    for (name, contents) in files {
+        let tmp = dir.join(format!(".seed-{name}"));
+        fs::write(&tmp, contents).map_err(io_err("write", &tmp))?;
+        let copied = run(
+            "mcopy",
+            Command::new("mcopy")
+                .arg("-i")
+                .arg(seed)
+                .arg(&tmp)
+                .arg(format!("::{name}")),
+        );
+        let _ = fs::remove_file(&tmp);
+        copied?;
+    }
+    Ok(())
+}

@@ -167,45 +167,26 @@ fn debian_cloud_image_runs_cloud_init_from_a_nocloud_seed() {
     let dir = tempfile::tempdir().unwrap();
     let key =
         "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGJ4c2hlYWZ0ZXN0a2V5MDEyMzQ1Njc4OWFiY2RlZg sheaf@test";
-    std::fs::write(
-        dir.path().join("meta-data"),
-        "instance-id: iid-sheaf-ci-1\nlocal-hostname: sheaf-guest\n",
-    )
-    .unwrap();
-    std::fs::write(
-        dir.path().join("user-data"),
-        format!(
-            "#cloud-config\n\
-             users:\n  - name: sheaf\n    shell: /bin/bash\n    sudo: ALL=(ALL) NOPASSWD:ALL\n    ssh_authorized_keys:\n      - {key}\n\
-             runcmd:\n  - [sh, -c, 'echo SHEAF-CI-BEGIN > /dev/console; hostname > /dev/console; \
-             cat /home/sheaf/.ssh/authorized_keys > /dev/console; ls /etc/ssh/ssh_host_ed25519_key.pub > /dev/console; \
-             echo SHEAF-CI-END > /dev/console']\n\
-             power_state:\n  mode: poweroff\n  condition: true\n"
-        ),
-    )
-    .unwrap();
+    let user = format!(
+        "#cloud-config\n\
+         users:\n  - name: sheaf\n    shell: /bin/bash\n    sudo: ALL=(ALL) NOPASSWD:ALL\n    ssh_authorized_keys:\n      - {key}\n\
+         runcmd:\n  - [sh, -c, 'echo SHEAF-CI-BEGIN > /dev/console; hostname > /dev/console; \
+         cat /home/sheaf/.ssh/authorized_keys > /dev/console; ls /etc/ssh/ssh_host_ed25519_key.pub > /dev/console; \
+         echo SHEAF-CI-END > /dev/console']\n\
+         power_state:\n  mode: poweroff\n  condition: true\n"
+    );
     let seed = dir.path().join("cidata.img");
-    let f = std::fs::File::create(&seed).unwrap();
-    f.set_len(2 << 20).unwrap();
-    drop(f);
-    let ok = |c: &mut std::process::Command| {
-        let o = c.output().unwrap();
-        assert!(
-            o.status.success(),
-            "{c:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
-    ok(std::process::Command::new("mkfs.fat")
-        .args(["-n", "CIDATA"])
-        .arg(&seed));
-    for name in ["meta-data", "user-data"] {
-        ok(std::process::Command::new("mcopy")
-            .arg("-i")
-            .arg(&seed)
-            .arg(dir.path().join(name))
-            .arg(format!("::{name}")));
-    }
+    sheaf_testkit::debian::nocloud_seed(
+        &seed,
+        &[
+            (
+                "meta-data",
+                "instance-id: iid-sheaf-ci-1\nlocal-hostname: sheaf-guest\n",
+            ),
+            ("user-data", &user),
+        ],
+    )
+    .unwrap();
     let out = debian_box(&image)
         .file("cidata.img", &seed)
         .run(

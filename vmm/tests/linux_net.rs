@@ -82,11 +82,6 @@ fn debian_guest_gets_dhcp_pings_l1_and_moves_tcp_both_ways() {
     let image = sheaf_testkit::debian::DebianImage::build().unwrap();
     let vmm = static_build::build_example("sheaf-vmm", "run_vm").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(
-        dir.path().join("meta-data"),
-        "instance-id: iid-sheaf-net-1\nlocal-hostname: sheaf-net\n",
-    )
-    .unwrap();
     let mut user = String::from(
         "#cloud-config\nwrite_files:\n  - path: /root/net.sh\n    permissions: '0755'\n    content: |\n",
     );
@@ -98,37 +93,22 @@ fn debian_guest_gets_dhcp_pings_l1_and_moves_tcp_both_ways() {
     user.push_str(
         "runcmd:\n  - [bash, /root/net.sh]\npower_state:\n  mode: poweroff\n  condition: true\n",
     );
-    std::fs::write(dir.path().join("user-data"), user).unwrap();
-    std::fs::write(
-        dir.path().join("network-config"),
-        format!(
-            "version: 1\nconfig:\n  - type: physical\n    name: eth0\n    mac_address: \"{MAC}\"\n    subnets:\n      - type: dhcp\n"
-        ),
+    let network = format!(
+        "version: 1\nconfig:\n  - type: physical\n    name: eth0\n    mac_address: \"{MAC}\"\n    subnets:\n      - type: dhcp\n"
+    );
+    let seed = dir.path().join("cidata.img");
+    sheaf_testkit::debian::nocloud_seed(
+        &seed,
+        &[
+            (
+                "meta-data",
+                "instance-id: iid-sheaf-net-1\nlocal-hostname: sheaf-net\n",
+            ),
+            ("user-data", &user),
+            ("network-config", &network),
+        ],
     )
     .unwrap();
-    let seed = dir.path().join("cidata.img");
-    std::fs::File::create(&seed)
-        .unwrap()
-        .set_len(2 << 20)
-        .unwrap();
-    let ok = |c: &mut std::process::Command| {
-        let o = c.output().unwrap();
-        assert!(
-            o.status.success(),
-            "{c:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
-    ok(std::process::Command::new("mkfs.fat")
-        .args(["-n", "CIDATA"])
-        .arg(&seed));
-    for name in ["meta-data", "user-data", "network-config"] {
-        ok(std::process::Command::new("mcopy")
-            .arg("-i")
-            .arg(&seed)
-            .arg(dir.path().join(name))
-            .arg(format!("::{name}")));
-    }
     let script = dir.path().join("net-box.sh");
     std::fs::write(&script, L1_SCRIPT.replace("MAC_HERE", MAC)).unwrap();
     let out = NestedBox::new()

@@ -24,6 +24,18 @@ pub const INT_VRING: u32 = 1;
 /// Interrupt status bit: the configuration (or device status) changed.
 pub const INT_CONFIG: u32 = 2;
 
+/// Copies `data.len()` bytes at `offset` of a device's configuration
+/// space `config` into `data`; an access past its end reads zeros.
+pub fn read_config_space(config: &[u8], offset: u64, data: &mut [u8]) {
+    let range = usize::try_from(offset)
+        .ok()
+        .and_then(|off| Some(off..off.checked_add(data.len())?));
+    match range.and_then(|r| config.get(r)) {
+        Some(bytes) => data.copy_from_slice(bytes),
+        None => data.fill(0),
+    }
+}
+
 /// A device error that stops the device until the driver resets it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]

@@ -302,13 +302,7 @@ impl VirtioDevice for VirtioBlock {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let off = offset as usize;
-        match off.checked_add(data.len()) {
-            Some(end) if end <= self.config.len() && offset < 64 => {
-                data.copy_from_slice(&self.config[off..end])
-            }
-            _ => data.fill(0),
-        }
+        super::read_config_space(&self.config, offset, data);
     }
 
     fn set_queue_waker(&mut self, index: usize, waker: EventFd) {

@@ -3,10 +3,9 @@
 //! tap ([`TapBackend`]) and a datagram socket ([`DgramBackend`], one frame
 //! per datagram, for userspace switches and tests).
 
-use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixDatagram;
 
@@ -165,17 +164,6 @@ impl TapBackend {
     pub fn if_name(&self) -> &str {
         &self.name
     }
-
-    /// The interface index (for netlink users).
-    pub fn if_index(&self) -> io::Result<u32> {
-        let c = CString::new(self.name.as_str())
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-        // SAFETY: `c` is a NUL-terminated string that outlives the call.
-        match unsafe { libc::if_nametoindex(c.as_ptr()) } {
-            0 => Err(io::Error::last_os_error()),
-            i => Ok(i),
-        }
-    }
 }
 
 impl NetBackend for TapBackend {
@@ -247,15 +235,6 @@ impl DgramBackend {
     pub fn from_socket(sock: UnixDatagram) -> io::Result<DgramBackend> {
         sock.set_nonblocking(true)?;
         Ok(DgramBackend { sock })
-    }
-
-    /// Wraps a raw connected datagram socket descriptor.
-    ///
-    /// # Safety
-    /// `fd` must be an open Unix datagram socket the caller owns.
-    pub unsafe fn from_raw_fd(fd: RawFd) -> io::Result<DgramBackend> {
-        // SAFETY: the caller passes ownership of an open socket.
-        Self::from_socket(unsafe { UnixDatagram::from_raw_fd(fd) })
     }
 }
 

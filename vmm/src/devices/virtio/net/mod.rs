@@ -448,13 +448,7 @@ impl VirtioDevice for VirtioNet {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let off = offset as usize;
-        match off.checked_add(data.len()) {
-            Some(end) if end <= self.config.len() && offset < 64 => {
-                data.copy_from_slice(&self.config[off..end])
-            }
-            _ => data.fill(0),
-        }
+        super::read_config_space(&self.config, offset, data);
     }
 
     fn activate(&mut self, acked_features: u64) {

@@ -433,6 +433,7 @@ async fn start_inner(
             tmp_dir: opts.data_dir.join("tmp"),
             metrics: metrics.clone(),
             images: images.clone(),
+            limits: Default::default(),
         }
         .spawn(),
     ];

@@ -61,7 +61,7 @@ pub struct ImportOptions {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct ImportProgress {
-    /// `converting`, `waiting`, `copying`, `done` or `error`.
+    /// `downloading`, `converting`, `waiting`, `copying`, `cloning`, `done` or `error`.
     pub phase: String,
     /// Bytes handled.
     #[serde(default)]
@@ -75,7 +75,8 @@ pub struct ImportProgress {
 }
 
 impl ImportProgress {
-    fn new(phase: &str, done: u64, total: u64, message: impl Into<String>) -> Self {
+    /// A progress line.
+    pub fn new(phase: &str, done: u64, total: u64, message: impl Into<String>) -> Self {
         ImportProgress {
             phase: phase.into(),
             done,
@@ -186,15 +187,45 @@ pub async fn import_image(
     metrics: &Metrics,
     tx: mpsc::Sender<ImportProgress>,
 ) -> Result<ImportProgress, ImportError> {
+    // Only a file inside an image directory, symbolic links resolved.
+    let path = images
+        .resolve(&opts.image)
+        .map_err(|e| img_err(Path::new(&opts.image), e.to_string()))?;
+    import_path(
+        store,
+        secret_file,
+        tmp_dir,
+        &path,
+        ns,
+        name,
+        opts,
+        metrics,
+        tx,
+    )
+    .await
+}
+
+/// Imports the already checked file `path` (resolved through the image
+/// policy, or a download under the data dir's tmp) into Volume `ns/name`;
+/// `opts.image` is what the volume's annotation records (path or URL).
+#[allow(clippy::too_many_arguments)]
+pub async fn import_path(
+    store: &Arc<dyn Store>,
+    secret_file: &Path,
+    tmp_dir: &Path,
+    path: &Path,
+    ns: &str,
+    name: &str,
+    opts: &ImportOptions,
+    metrics: &Metrics,
+    tx: mpsc::Sender<ImportProgress>,
+) -> Result<ImportProgress, ImportError> {
+    let path = path.to_path_buf();
     let vname = format!("{ns}/{name}");
     let vol_err = |m: String| ImportError::Volume {
         volume: vname.clone(),
         message: m,
     };
-    // Only a file inside an image directory, symbolic links resolved.
-    let path = images
-        .resolve(&opts.image)
-        .map_err(|e| img_err(Path::new(&opts.image), e.to_string()))?;
     let info = probe_image(&path).await?;
     let size = opts
         .size
@@ -308,12 +339,16 @@ pub async fn import_image(
     ))
 }
 
-/// A volume with a pending `spec.source.image` stays `Creating` (no
+/// A volume with a pending `spec.source` (image or clone) stays `Creating` (no
 /// instance may attach it); it can be imported into once every replica is
 /// served and at least `minWriteReplicas` are healthy.
 fn source_ready(v: &Volume) -> bool {
     let Some(st) = &v.status else { return false };
-    let pending = v.spec.source.as_ref().is_some_and(|s| s.image.is_some())
+    let pending = v
+        .spec
+        .source
+        .as_ref()
+        .is_some_and(|s| s.image.is_some() || s.volume.is_some())
         && !condition_true(&st.conditions, SOURCE_IMPORTED);
     let reps = st.replicas.clone().unwrap_or_default();
     let w = v
@@ -332,7 +367,8 @@ fn source_ready(v: &Volume) -> bool {
         && healthy >= w
 }
 
-async fn wait_available(
+/// Waits until `ns/name` can be written (served, or pending its source).
+pub async fn wait_available(
     store: &Arc<dyn Store>,
     ns: &str,
     name: &str,
@@ -358,16 +394,14 @@ async fn wait_available(
     }
 }
 
-/// Writes the raw file into the volume; returns the engine's epoch.
-async fn copy_into(
+/// Attaches a replicated engine to `vol` above every epoch so far and
+/// records its epoch in the Volume's status (the next attachment must go
+/// above it): (engine, epoch).
+pub async fn attach_engine(
     store: &Arc<dyn Store>,
     secret_file: &Path,
     vol: &Volume,
-    raw: &Path,
-    len: u64,
-    metrics: &Metrics,
-    tx: &mpsc::Sender<ImportProgress>,
-) -> Result<u64, ImportError> {
+) -> Result<(BlockVolume, u64), ImportError> {
     let ns = vol.metadata.namespace.clone().unwrap_or_default();
     let name = vol.metadata.name.clone().unwrap_or_default();
     let vname = format!("{ns}/{name}");
@@ -389,18 +423,44 @@ async fn copy_into(
     let engine = BlockVolume::attach(cfg)
         .await
         .map_err(|e| io_err(format!("attach: {e}")))?;
-    let epoch = engine
-        .status()
-        .await
-        .map_err(|e| io_err(e.to_string()))?
-        .epoch;
-    // Record the epoch first: the next attachment must go above it.
-    store
+    let epoch = match engine.status().await {
+        Ok(s) => s.epoch,
+        Err(e) => {
+            let _ = engine.detach().await;
+            return Err(io_err(e.to_string()));
+        }
+    };
+    let rec = store
         .modify_typed(&ns, &name, UpdateScope::Status, |v: &mut Volume| {
             let s = v.status.get_or_insert_with(Default::default);
             s.epoch = Some(s.epoch.unwrap_or(0).max(epoch));
         })
-        .await?;
+        .await;
+    if let Err(e) = rec {
+        let _ = engine.detach().await;
+        return Err(e.into());
+    }
+    Ok((engine, epoch))
+}
+
+/// Writes the raw file into the volume; returns the engine's epoch.
+async fn copy_into(
+    store: &Arc<dyn Store>,
+    secret_file: &Path,
+    vol: &Volume,
+    raw: &Path,
+    len: u64,
+    metrics: &Metrics,
+    tx: &mpsc::Sender<ImportProgress>,
+) -> Result<u64, ImportError> {
+    let ns = vol.metadata.namespace.clone().unwrap_or_default();
+    let name = vol.metadata.name.clone().unwrap_or_default();
+    let vname = format!("{ns}/{name}");
+    let io_err = |m: String| ImportError::Io {
+        volume: vname.clone(),
+        message: m,
+    };
+    let (engine, epoch) = attach_engine(store, secret_file, vol).await?;
     let result = async {
         let mut f =
             std::fs::File::open(raw).map_err(|e| io_err(format!("{}: {e}", raw.display())))?;

@@ -12,13 +12,17 @@
 //!   client    HTTPS client configured from a kubeconfig
 //!   commands  the client side of `sheaf` commands (verbs, console, import upload)
 //!   status    `sheaf status` tables
-//!   sources   fills Volumes applied with `spec.source.image`
+//!   sources   fills Volumes from `spec.source` (file, http(s) URL, clone of a Volume)
+//!   clone     Volume clones (full copy)
+//!   download  http(s) downloads: redirects checked, size cap, timeouts, sha256/sha512
 //!   upload    image uploads streamed into `<data>/uploads`
 //! ```
 
 pub mod client;
+pub mod clone;
 pub mod cluster;
 pub mod commands;
+pub mod download;
 pub mod image;
 pub mod metrics;
 pub mod netns;

@@ -85,6 +85,33 @@ pub fn image_opts(path: &Path) -> String {
 
 /// Runs `qemu-img ARGS` under `limits`: (stdout) on success.
 pub async fn run(op: &'static str, args: &[&str], limits: Limits) -> Result<Vec<u8>, QemuImgError> {
+    let out = run_status(op, args, limits).await?;
+    if !out.status.success() {
+        return Err(failure(op, &out));
+    }
+    Ok(out.stdout)
+}
+
+/// The error for a run that ended unsuccessfully.
+fn failure(op: &'static str, out: &std::process::Output) -> QemuImgError {
+    use std::os::unix::process::ExitStatusExt as _;
+    let message = match out.status.signal() {
+        Some(sig) => format!(
+            "killed by signal {sig} (CPU or memory limit reached?) {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ),
+        None => String::from_utf8_lossy(&out.stderr).trim().to_string(),
+    };
+    QemuImgError::Failed { op, message }
+}
+
+/// Runs `qemu-img ARGS` under `limits` and returns how it ended, whatever
+/// its exit status (only a spawn failure or the timeout is an error).
+async fn run_status(
+    op: &'static str,
+    args: &[&str],
+    limits: Limits,
+) -> Result<std::process::Output, QemuImgError> {
     let mut cmd = tokio::process::Command::new("qemu-img");
     cmd.args(args)
         .stdin(Stdio::null())
@@ -129,18 +156,7 @@ pub async fn run(op: &'static str, args: &[&str], limits: Limits) -> Result<Vec<
             });
         }
     };
-    if !out.status.success() {
-        use std::os::unix::process::ExitStatusExt as _;
-        let message = match out.status.signal() {
-            Some(sig) => format!(
-                "killed by signal {sig} (CPU or memory limit reached?) {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-            None => String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        };
-        return Err(QemuImgError::Failed { op, message });
-    }
-    Ok(out.stdout)
+    Ok(out)
 }
 
 /// Checks `qemu-img info --output=json` of a qcow2 image: refuses a
@@ -189,8 +205,40 @@ pub async fn qcow2_size(path: &Path) -> Result<u64, QemuImgError> {
     inspect_qcow2(&v)
 }
 
-/// Converts the (checked) qcow2 image at `src` to a sparse raw file `dst`.
+/// `qemu-img check` of the qcow2 image at `path`: refuses an image whose
+/// metadata is corrupt (exit status 2: e.g. a truncated download whose
+/// tables point past the end of the file, which `convert` would silently
+/// read as zeros). Leaked clusters (status 3) cost space, not data: accepted.
+pub async fn check_qcow2(path: &Path) -> Result<(), QemuImgError> {
+    let opts = image_opts(path);
+    let out = run_status("check", &["check", "--image-opts", &opts], Limits::CONVERT).await?;
+    match out.status.code() {
+        Some(0 | 3) => Ok(()),
+        Some(2) => {
+            let text = format!(
+                "{}\n{}",
+                String::from_utf8_lossy(&out.stderr),
+                String::from_utf8_lossy(&out.stdout)
+            );
+            let first = text
+                .lines()
+                .find(|l| l.starts_with("ERROR"))
+                .unwrap_or("corruptions found")
+                .trim()
+                .to_string();
+            Err(QemuImgError::Refused(format!(
+                "the qcow2 image is corrupt (qemu-img check: {first}); \
+                 was the download truncated?"
+            )))
+        }
+        _ => Err(failure("check", &out)),
+    }
+}
+
+/// Converts the qcow2 image at `src` to a sparse raw file `dst`, after
+/// [`check_qcow2`] (the caller has already run [`qcow2_size`]).
 pub async fn convert_to_raw(src: &Path, dst: &Path) -> Result<(), QemuImgError> {
+    check_qcow2(src).await?;
     let opts = image_opts(src);
     let dst = dst.to_string_lossy();
     run(
@@ -257,5 +305,37 @@ mod tests {
         };
         assert!(run("info", &["--version"], tiny).await.is_err());
         assert!(run("info", &["--version"], Limits::INFO).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn truncated_qcow2_is_refused_before_convert() {
+        if std::process::Command::new("qemu-img")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            eprintln!("SKIP: no qemu-img");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let raw = tmp.path().join("a.raw");
+        let data: Vec<u8> = (0..4u32 << 20).map(|i| (i / 4096) as u8 | 1).collect();
+        std::fs::write(&raw, &data).unwrap();
+        let q = tmp.path().join("a.qcow2");
+        let st = std::process::Command::new("qemu-img")
+            .args(["convert", "-f", "raw", "-O", "qcow2"])
+            .arg(&raw)
+            .arg(&q)
+            .status()
+            .unwrap();
+        assert!(st.success());
+        check_qcow2(&q).await.unwrap();
+        let full = std::fs::read(&q).unwrap();
+        let cut = tmp.path().join("cut.qcow2");
+        std::fs::write(&cut, &full[..full.len() / 2]).unwrap();
+        let out = tmp.path().join("out.raw");
+        let e = convert_to_raw(&cut, &out).await.unwrap_err().to_string();
+        assert!(e.contains("corrupt"), "{e}");
+        assert!(!out.exists());
     }
 }

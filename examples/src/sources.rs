@@ -1,22 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
 //! Volume sources: a Volume applied with `spec.source.image` (a raw or
-//! qcow2 file on the cluster host) is filled by the cluster process, so
-//! `kubectl apply` of a VM and its Volume works without `sheaf image import`
-//! first.
+//! qcow2 file on the cluster host, or an `http(s)://` URL), or with
+//! `spec.source.volume` (a clone of another Volume), is filled by the
+//! cluster process, so `kubectl apply` of a VM and its Volume (or a
+//! KubeVirt VM with `dataVolumeTemplates`) works without `sheaf image
+//! import` first.
 //!
 //! ```text
-//!   Volume (spec.source.image) ─► volume controller: replicas placed, served,
-//!        │                         phase stays Creating until Imported=True
+//!   Volume (spec.source) ─► volume controller: replicas placed, served,
+//!        │                   phase stays Creating until Imported=True
 //!        ▼
-//!   importer (this module, every second): Imported=False/Importing "copying 4.0/16.0 MiB (25%)"
-//!        └─ import_image (same path as `sheaf image import`) ─► Imported=True "raw image, N bytes, epoch E"
-//!                                                            └► Imported=False/ImportFailed "<error>"
+//!   importer (this module, every second), status.progress "42.0%":
+//!     image: URL ─► download (DATA/tmp, checksum) ─┐  Imported=False/Importing "downloading 4.0/16.0 MiB (25%)"
+//!            file (image directory) ───────────────┴► import_path (qcow2 checked + converted) ─► copy
+//!     volume: clone (full copy; waits while the source is busy)
+//!        └► Imported=True "raw image, N bytes, epoch E"
+//!        └► Imported=False/ImportFailed "<error>" (temp files removed, volume stays Creating)
 //! ```
 //!
-//! A failed import is not retried for the same image path while the
-//! cluster runs (fix the file, then change `spec.source.image` or delete
-//! and re-create the volume, or restart the cluster); `http(s)://` sources
-//! are refused with a clear condition message.
+//! A failed import is not retried for the same source while the cluster
+//! runs (fix the source, then change `spec.source` or delete and re-create
+//! the volume, or restart the cluster).
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -30,7 +34,12 @@ use sheaf_orchestrator::resources::{ConditionStatus, Volume};
 use sheaf_orchestrator::store::{ListOptions, Store, StoreExt, UpdateScope};
 use tokio::sync::mpsc;
 
-use crate::image::{ImportOptions, ImportProgress, import_image};
+use sheaf_orchestrator::images::ImageSource;
+use sheaf_orchestrator::resources::parse_quantity_bytes;
+
+use crate::clone::{CloneError, clone_into, ready_source};
+use crate::download::{DownloadLimits, download};
+use crate::image::{ImportOptions, ImportProgress, import_path, wait_available};
 use crate::metrics::Metrics;
 
 /// What the importer needs.
@@ -46,13 +55,15 @@ pub struct SourceImporter {
     pub metrics: Metrics,
     /// Where image files may come from.
     pub images: ImagePolicy,
+    /// Bounds of http(s) downloads.
+    pub limits: DownloadLimits,
 }
 
 #[derive(Debug, Default)]
 struct State {
     /// Volumes being imported.
     running: HashSet<String>,
-    /// Volume → image path whose import failed.
+    /// Volume → source whose import failed.
     failed: HashMap<String, String>,
 }
 
@@ -60,7 +71,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Sets the `Imported` condition of `ns/name`.
+/// Sets the `Imported` condition of `ns/name` and its `status.progress`.
 async fn set_imported(
     store: &Arc<dyn Store>,
     ns: &str,
@@ -68,15 +79,41 @@ async fn set_imported(
     status: ConditionStatus,
     reason: &str,
     message: &str,
+    progress: Option<String>,
 ) {
     let res = store
         .modify_typed(ns, name, UpdateScope::Status, |v: &mut Volume| {
             let st = v.status.get_or_insert_with(Default::default);
             set_condition(&mut st.conditions, SOURCE_IMPORTED, status, reason, message);
+            st.progress = progress.clone();
         })
         .await;
     if let Err(e) = res {
         tracing::debug!(volume = %format!("{ns}/{name}"), error = %e, "setting Imported");
+    }
+}
+
+/// Overall percent of an import: a download counts for 0–80 %, the copy
+/// into the volume for the rest (all of it without a download).
+fn overall_percent(p: &ImportProgress, downloaded: bool) -> Option<f64> {
+    let frac = |p: &ImportProgress| {
+        if p.total > 0 {
+            p.done.min(p.total) as f64 / p.total as f64
+        } else {
+            0.0
+        }
+    };
+    let (base, span) = if downloaded {
+        (80.0, 20.0)
+    } else {
+        (0.0, 100.0)
+    };
+    match p.phase.as_str() {
+        "downloading" if p.total > 0 => Some(80.0 * frac(p)),
+        "downloading" => None,
+        "converting" | "waiting" => Some(base),
+        "copying" | "cloning" => Some(base + span * frac(p)),
+        _ => None,
     }
 }
 
@@ -89,6 +126,14 @@ fn progress_message(p: &ImportProgress) -> String {
             mib(p.total),
             p.done * 100 / p.total
         ),
+        "downloading" | "cloning" if p.total > 0 => format!(
+            "{} {:.1}/{:.1} MiB ({}%)",
+            p.phase,
+            mib(p.done),
+            mib(p.total),
+            p.done * 100 / p.total
+        ),
+        "downloading" => format!("downloading {:.1} MiB", mib(p.done)),
         "waiting" => "waiting for the replicas".into(),
         "converting" => "converting qcow2 to raw".into(),
         other => format!("{other} {}", p.message).trim().to_string(),
@@ -116,8 +161,13 @@ impl SourceImporter {
             }
         };
         for v in vols {
-            let Some(image) = v.spec.source.as_ref().and_then(|s| s.image.clone()) else {
+            let Some(src) = v.spec.source.clone() else {
                 continue;
+            };
+            let image = match (&src.image, &src.volume) {
+                (Some(i), _) => i.clone(),
+                (None, Some(c)) => format!("volume:{c}"),
+                _ => continue,
             };
             let (Some(ns), Some(name)) = (v.metadata.namespace.clone(), v.metadata.name.clone())
             else {
@@ -143,7 +193,7 @@ impl SourceImporter {
             let me = self.clone();
             let state = state.clone();
             tokio::spawn(async move {
-                let res = me.import(&ns, &name, &image).await;
+                let res = me.import(&ns, &name, &src).await;
                 let mut g = lock(&state);
                 g.running.remove(&key);
                 if res.is_err() {
@@ -153,10 +203,22 @@ impl SourceImporter {
         }
     }
 
-    async fn import(&self, ns: &str, name: &str, image: &str) -> Result<(), String> {
+    /// Fills `ns/name` from `src`; `Err` (recorded, not retried) on failure,
+    /// `Ok` also while a clone waits for its source (retried next scan).
+    async fn import(
+        &self,
+        ns: &str,
+        name: &str,
+        src: &sheaf_orchestrator::resources::sheaf::VolumeSource,
+    ) -> Result<(), String> {
         let store = &self.store;
+        let what = src
+            .image
+            .clone()
+            .or_else(|| src.volume.as_ref().map(|v| format!("volume {ns}/{v}")))
+            .unwrap_or_default();
         let fail = async |msg: String| {
-            tracing::warn!(volume = %format!("{ns}/{name}"), %image, error = %msg, "image source import failed");
+            tracing::warn!(volume = %format!("{ns}/{name}"), source = %what, error = %msg, "volume source import failed");
             set_imported(
                 store,
                 ns,
@@ -164,30 +226,56 @@ impl SourceImporter {
                 ConditionStatus::False,
                 "ImportFailed",
                 &msg,
+                None,
             )
             .await;
             Err(msg)
         };
-        if image.starts_with("http://") || image.starts_with("https://") {
-            return fail(format!(
-                "image {image}: URLs are not supported yet; give an absolute path of a raw or \
-                 qcow2 file inside an image directory"
-            ))
-            .await;
-        }
-        if let Err(e) = self.images.resolve(image) {
-            return fail(e.to_string()).await;
-        }
-        tracing::info!(volume = %format!("{ns}/{name}"), %image, "importing the volume's image source");
+        let checked = match &src.image {
+            Some(image) => match self.images.source(image) {
+                Ok(s) => Some(s),
+                Err(e) => return fail(e.to_string()).await,
+            },
+            None => None,
+        };
+        let clone_src = match (&checked, &src.volume) {
+            (None, Some(c)) => match ready_source(store, ns, c).await {
+                Ok(v) => Some(v),
+                Err(CloneError::NotReady(m)) => {
+                    set_imported(
+                        store,
+                        ns,
+                        name,
+                        ConditionStatus::False,
+                        "Importing",
+                        &m,
+                        None,
+                    )
+                    .await;
+                    return Ok(());
+                }
+                Err(CloneError::Failed(e)) => return fail(e.to_string()).await,
+            },
+            (None, None) => return Ok(()),
+            _ => None,
+        };
+        tracing::info!(volume = %format!("{ns}/{name}"), source = %what, "filling the volume from its source");
+        let first = if matches!(checked, Some(ImageSource::Url(_))) {
+            "downloading"
+        } else {
+            "waiting for the replicas"
+        };
         set_imported(
             store,
             ns,
             name,
             ConditionStatus::False,
             "Importing",
-            "waiting for the replicas",
+            first,
+            Some("0.0%".into()),
         )
         .await;
+        let downloaded = matches!(checked, Some(ImageSource::Url(_)));
         let (tx, mut rx) = mpsc::channel::<ImportProgress>(64);
         let reporter = {
             let store = store.clone();
@@ -198,6 +286,7 @@ impl SourceImporter {
                     if last.elapsed() >= Duration::from_millis(500) {
                         last = Instant::now();
                         let msg = progress_message(&p);
+                        let pct = overall_percent(&p, downloaded).map(|f| format!("{f:.1}%"));
                         set_imported(
                             &store,
                             &ns,
@@ -205,40 +294,117 @@ impl SourceImporter {
                             ConditionStatus::False,
                             "Importing",
                             &msg,
+                            pct,
                         )
                         .await;
                     }
                 }
             })
         };
+        let t0 = Instant::now();
+        let res = self.fill(ns, name, src, checked, clone_src, tx).await;
+        let _ = reporter.await;
+        match res {
+            Ok(m) => {
+                let msg = format!("{m} in {:.1} s", t0.elapsed().as_secs_f64());
+                tracing::info!(volume = %format!("{ns}/{name}"), %msg, "volume source imported");
+                set_imported(
+                    store,
+                    ns,
+                    name,
+                    ConditionStatus::True,
+                    "Imported",
+                    &msg,
+                    Some("100.0%".into()),
+                )
+                .await;
+                Ok(())
+            }
+            Err(e) => fail(e).await,
+        }
+    }
+
+    /// The import proper: download or file, or clone; the final message.
+    async fn fill(
+        &self,
+        ns: &str,
+        name: &str,
+        src: &sheaf_orchestrator::resources::sheaf::VolumeSource,
+        checked: Option<ImageSource>,
+        clone_src: Option<Volume>,
+        tx: mpsc::Sender<ImportProgress>,
+    ) -> Result<String, String> {
+        let store = &self.store;
+        if let Some(from) = clone_src {
+            let dst = wait_available(store, ns, name, Duration::from_secs(60)).await?;
+            let n = clone_into(store, &self.secret_file, &from, &dst, &self.metrics, &tx)
+                .await
+                .map_err(|e| e.to_string())?;
+            return Ok(format!(
+                "cloned from {ns}/{}, {n} bytes (full copy)",
+                from.metadata.name.as_deref().unwrap_or_default()
+            ));
+        }
+        let Some(checked) = checked else {
+            return Err("no source".into());
+        };
+        let image = src.image.clone().unwrap_or_default();
+        let mut _download = None;
+        let mut digest = None;
+        let path = match checked {
+            ImageSource::File(_) if src.checksum.is_some() => {
+                return Err(format!(
+                    "image {image}: spec.source.checksum is checked for http(s) sources only"
+                ));
+            }
+            ImageSource::File(p) => p,
+            ImageSource::Url(url) => {
+                let vol: Volume = store.get_typed(ns, name).await.map_err(|e| e.to_string())?;
+                let size = parse_quantity_bytes(&vol.spec.size.0).unwrap_or(0);
+                // A raw image must fit the volume; a qcow2 of a fitting
+                // virtual size is at most a little larger (its metadata).
+                let mut limits = self.limits.clone();
+                limits.max_bytes = limits
+                    .max_bytes
+                    .min(size.saturating_add(size / 16).saturating_add(16 << 20));
+                let d = download(
+                    &url,
+                    &self.tmp_dir,
+                    &format!("{ns}-{name}"),
+                    src.checksum.as_deref(),
+                    &limits,
+                    &tx,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                let p = d.path.clone();
+                digest = d.digest.clone();
+                _download = Some(d); // removed when this function returns
+                p
+            }
+        };
         let opts = ImportOptions {
-            image: image.to_string(),
+            image,
             size: None,
             replicas: None,
         };
-        let t0 = Instant::now();
-        let res = import_image(
+        let done = import_path(
             store,
             &self.secret_file,
             &self.tmp_dir,
-            &self.images,
+            &path,
             ns,
             name,
             &opts,
             &self.metrics,
             tx,
         )
-        .await;
-        let _ = reporter.await;
-        match res {
-            Ok(p) => {
-                let msg = format!("{} in {:.1} s", p.message, t0.elapsed().as_secs_f64());
-                tracing::info!(volume = %format!("{ns}/{name}"), %msg, "image source imported");
-                set_imported(store, ns, name, ConditionStatus::True, "Imported", &msg).await;
-                Ok(())
-            }
-            Err(e) => fail(e.to_string()).await,
-        }
+        .await
+        .map_err(|e| e.to_string())?;
+        Ok(match digest {
+            Some(d) => format!("{}, {d} verified", done.message),
+            None => done.message,
+        })
     }
 }
 

@@ -54,6 +54,68 @@ pub enum ImageSourceError {
     /// Not a regular file.
     #[error("image {0:?}: not a regular file")]
     NotAFile(String),
+    /// A URL that is not a plain `http://` or `https://` URL with a host.
+    #[error("image URL {url:?}: {message}")]
+    BadUrl {
+        /// The URL as given.
+        url: String,
+        /// Why.
+        message: String,
+    },
+}
+
+/// Where an image source points, once checked by [`ImagePolicy::source`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ImageSource {
+    /// A file inside an image directory (symbolic links resolved).
+    File(PathBuf),
+    /// An `http://` or `https://` URL (downloaded by the importer).
+    Url(String),
+}
+
+/// Longest URL accepted.
+pub const MAX_URL_LEN: usize = 4096;
+
+/// Checks that `url` is a plain `http://` or `https://` URL with a host:
+/// no other scheme (`file://`, `ftp://`, `docker://`), no credentials in
+/// the authority, no whitespace or control characters. Redirect targets
+/// are checked with the same rule.
+pub fn check_url(url: &str) -> Result<(), ImageSourceError> {
+    let bad = |m: &str| ImageSourceError::BadUrl {
+        url: url.chars().take(200).collect(),
+        message: m.to_string(),
+    };
+    if url.len() > MAX_URL_LEN {
+        return Err(bad("longer than 4096 bytes"));
+    }
+    if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(bad("contains whitespace or control characters"));
+    }
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(bad("not a URL (expected http:// or https://)"));
+    };
+    if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
+        return Err(bad(&format!(
+            "scheme {scheme:?} is not allowed; only http and https URLs are downloaded"
+        )));
+    }
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if authority.contains('@') {
+        return Err(bad("credentials in the URL are not accepted"));
+    }
+    let host = match authority.rsplit_once(':') {
+        Some((h, p)) if !authority.ends_with(']') => {
+            if p.parse::<u16>().is_err() {
+                return Err(bad(&format!("port {p:?} is not a number below 65536")));
+            }
+            h
+        }
+        _ => authority,
+    };
+    if host.is_empty() || host == "[]" {
+        return Err(bad("no host"));
+    }
+    Ok(())
 }
 
 /// The allow-list of image directories.
@@ -113,6 +175,22 @@ impl ImagePolicy {
                 allowed: self.allowed_list(),
             })
         }
+    }
+
+    /// Checks a Volume's `spec.source.image`: an `http(s)://` URL (checked
+    /// with [`check_url`]; downloaded, never read from the host) or a file
+    /// inside an image directory ([`ImagePolicy::resolve`]). `file://` and
+    /// every other scheme are refused.
+    pub fn source(&self, image: &str) -> Result<ImageSource, ImageSourceError> {
+        let lower = image.get(..8).unwrap_or(image).to_ascii_lowercase();
+        if lower.starts_with("http://") || lower.starts_with("https://") {
+            check_url(image)?;
+            return Ok(ImageSource::Url(image.to_string()));
+        }
+        if image.contains("://") {
+            check_url(image)?;
+        }
+        self.resolve(image).map(ImageSource::File)
     }
 
     /// Resolves `path` (absolute, symbolic links followed) to a regular file
@@ -223,6 +301,35 @@ mod tests {
         assert!(wide.resolve(&s(&t.path().join("outside.img"))).is_ok());
         assert!(wide.resolve(&s(&data.join("ca.key"))).is_err());
         assert!(wide.resolve(&s(&images.join("a.img"))).is_err());
+
+        // URLs: http and https only.
+        assert_eq!(
+            pol.source("https://example.com/a.qcow2").unwrap(),
+            ImageSource::Url("https://example.com/a.qcow2".into())
+        );
+        assert!(pol.source("HTTP://127.0.0.1:8080/a.img").is_ok());
+        assert_eq!(
+            pol.source(&s(&images.join("a.img"))).unwrap(),
+            ImageSource::File(images.join("a.img").canonicalize().unwrap())
+        );
+        for bad in [
+            "file:///etc/shadow",
+            "ftp://h/x",
+            "docker://quay.io/x",
+            "http://",
+            "http:///etc/shadow",
+            "http://user:pw@h/x",
+            "http://h:99999/x",
+            "http://h/a b",
+        ] {
+            assert!(
+                matches!(pol.source(bad), Err(ImageSourceError::BadUrl { .. })),
+                "{bad}: {:?}",
+                pol.source(bad)
+            );
+        }
+        assert!(pol.source("/etc/shadow").is_err());
+        assert!(check_url("http://[::1]:8080/x").is_ok());
 
         // kernelBoot parts.
         let base = s(&images);

@@ -27,6 +27,7 @@ async fn image_source_holds_the_volume_until_imported() {
     v.spec.source = Some(VolumeSource {
         image: Some("/var/tmp/src.img".into()),
         volume: None,
+        checksum: None,
     });
     create(&store, &v).await;
     // Every replica served and healthy, yet still Creating.

@@ -4,6 +4,8 @@
 //! up`, and read the probe guest's console records.
 #![allow(dead_code, clippy::unwrap_used)]
 
+pub mod http;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

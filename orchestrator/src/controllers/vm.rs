@@ -100,7 +100,14 @@ fn seconds_until(t: &crate::resources::Time) -> Option<Duration> {
     (secs > 0.0).then(|| Duration::from_secs_f64(secs))
 }
 
-/// The sheaf Volume a data volume template asks for.
+/// Annotation of a data volume template (CDI has no checksum field): the
+/// digest its `source.http` download must have, `sha256:<hex>` or
+/// `sha512:<hex>`. `source.http.checksum` (a sheaf extension) wins.
+pub const CHECKSUM_ANNOTATION: &str = "sheaf.dev/checksum";
+
+/// The sheaf Volume a data volume template asks for: `source.http` becomes
+/// `spec.source.image` (the URL), `source.pvc` `spec.source.volume` (a
+/// clone), `source.blank` (or none) an empty volume.
 pub fn volume_from_template(vm: &VirtualMachine, t: &DataVolumeTemplateSpec) -> Volume {
     let storage = t.spec.storage.as_ref().or(t.spec.pvc.as_ref());
     let size = storage
@@ -113,16 +120,24 @@ pub fn volume_from_template(vm: &VirtualMachine, t: &DataVolumeTemplateSpec) -> 
         .and_then(|s| s.storage_class_name.as_deref())
         .and_then(|c| c.strip_prefix("sheaf-"))
         .and_then(|n| n.parse().ok());
+    let checksum = t
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(CHECKSUM_ANNOTATION))
+        .cloned();
     let source = t.spec.source.as_ref().and_then(|s| {
         if let Some(h) = &s.http {
             Some(VolumeSource {
                 image: Some(h.url.clone()),
                 volume: None,
+                checksum: h.checksum.clone().or(checksum),
             })
         } else {
             s.pvc.as_ref().map(|p| VolumeSource {
                 image: None,
                 volume: Some(p.name.clone()),
+                checksum: None,
             })
         }
     });

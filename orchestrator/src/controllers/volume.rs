@@ -17,7 +17,8 @@
 //! the node lifecycle controller fences. A replacement replica starts
 //! `Rebuilding` and is filled by the next engine that attaches the volume.
 //!
-//! A volume with `spec.source.image` stays `Creating` after its replicas
+//! A volume with `spec.source.image` (or `spec.source.volume`, a clone)
+//! stays `Creating` after its replicas
 //! are served until an importer (the `sheaf` cluster binary's source
 //! importer) sets its [`SOURCE_IMPORTED`] condition to `True`, so no
 //! instance attaches it before its contents are in.
@@ -42,7 +43,8 @@ use crate::resources::{
 };
 use crate::store::{ListOptions, StoreError, StoreExt, UpdateScope, WatchEvent};
 
-/// Condition of a volume with `spec.source.image`: `True` once the image
+/// Condition of a volume with `spec.source.image` or `spec.source.volume`:
+/// `True` once the image or the clone
 /// is in (until then the volume stays `Creating`); its reason and message
 /// carry the import's progress or failure.
 pub const SOURCE_IMPORTED: &str = "Imported";
@@ -278,7 +280,11 @@ impl Reconciler for VolumeController {
             .iter()
             .any(|r| r.address.is_none() && r.state != Some(ReplicaState::Failed));
         let never_served = reps.iter().all(|r| r.address.is_none());
-        let import_pending = vol.spec.source.as_ref().is_some_and(|s| s.image.is_some())
+        let import_pending = vol
+            .spec
+            .source
+            .as_ref()
+            .is_some_and(|s| s.image.is_some() || s.volume.is_some())
             && !condition_true(&st.conditions, SOURCE_IMPORTED)
             && st.attachment.is_none();
         st.phase = Some(

@@ -62,6 +62,26 @@ pub struct VolumeSource {
     /// Clone of another Volume in the same namespace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volume: Option<String>,
+    /// Digest the downloaded `image` must have: `sha256:<hex>` or
+    /// `sha512:<hex>` (of the file as served, before any conversion).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
+}
+
+/// Parses a `sha256:<hex>` / `sha512:<hex>` checksum: (algorithm, lowercase hex).
+pub fn parse_checksum(c: &str) -> Result<(&'static str, String), String> {
+    let (alg, hex) = c
+        .split_once(':')
+        .ok_or_else(|| "expected sha256:<hex> or sha512:<hex>".to_string())?;
+    let (alg, len) = match alg.to_ascii_lowercase().as_str() {
+        "sha256" => ("sha256", 64),
+        "sha512" => ("sha512", 128),
+        other => return Err(format!("algorithm {other:?}: only sha256 and sha512")),
+    };
+    if hex.len() != len || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!("{alg} wants {len} hex digits"));
+    }
+    Ok((alg, hex.to_ascii_lowercase()))
 }
 
 /// Lifecycle phase of a Volume.
@@ -166,6 +186,10 @@ pub struct VolumeStatus {
     /// Conditions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conditions: Option<Vec<Condition>>,
+    /// Progress of filling the volume from its source (CDI's DataVolume
+    /// `status.progress`: `"42.0%"`, `"100.0%"` once imported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<String>,
 }
 
 root_kind! {
@@ -180,6 +204,7 @@ root_kind! {
         TableColumn::new("Healthy", "integer", "Healthy replicas"),
         TableColumn::new("Phase", "string", "Lifecycle phase"),
         TableColumn::new("Node", "string", "Node the volume is attached to"),
+        TableColumn::new("Progress", "string", "Import progress"),
         TableColumn::new("Epoch", "integer", "Current epoch").priority(1),
         TableColumn::new("Age", "date", "Time since creation"),
     ],
@@ -194,6 +219,7 @@ root_kind! {
             Value::from(healthy),
             Value::String(json_str(o, "status.phase").to_string()),
             Value::String(json_str(o, "status.attachment.nodeName").to_string()),
+            Value::String(json_str(o, "status.progress").to_string()),
             json_path(o, "status.epoch").cloned().unwrap_or(Value::from(0)),
             age_cell(o),
         ]
@@ -246,6 +272,16 @@ fn validate_volume(v: &Volume) -> Vec<FieldError> {
                 "must name a Volume",
             )),
             _ => {}
+        }
+        if let Some(c) = &src.checksum {
+            if src.image.is_none() {
+                errs.push(FieldError::forbidden(
+                    "spec.source.checksum",
+                    "only an image source has a checksum",
+                ));
+            } else if let Err(m) = parse_checksum(c) {
+                errs.push(FieldError::invalid("spec.source.checksum", c, m));
+            }
         }
     }
     errs

@@ -149,6 +149,11 @@ pub struct UrlSource {
     /// The URL.
     #[serde(default)]
     pub url: String,
+    /// sheaf extension (CDI has none): `sha256:<hex>` or `sha512:<hex>` the
+    /// download must match; the `sheaf.dev/checksum` annotation of the
+    /// template does the same for stock manifests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checksum: Option<String>,
 }
 
 /// A reference to a volume by namespace and name.
@@ -308,6 +313,57 @@ fn validate_vm(vm: &VirtualMachine) -> Vec<FieldError> {
                     format!("{p}.spec.source"),
                     "exactly one source may be set",
                 ));
+            }
+            if let Some(h) = &src.http {
+                if let Err(e) = crate::images::check_url(&h.url) {
+                    errs.push(FieldError::invalid(
+                        format!("{p}.spec.source.http.url"),
+                        &h.url,
+                        e.to_string(),
+                    ));
+                }
+                let ann = dv
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get("sheaf.dev/checksum"));
+                if let Some(c) = h.checksum.as_ref().or(ann)
+                    && let Err(m) = super::super::sheaf::parse_checksum(c)
+                {
+                    errs.push(FieldError::invalid(
+                        format!("{p}.spec.source.http.checksum"),
+                        c,
+                        m,
+                    ));
+                }
+            }
+            if src.registry.is_some() {
+                errs.push(FieldError::forbidden(
+                    format!("{p}.spec.source.registry"),
+                    "registry sources are not supported yet; use source.http with a raw or qcow2 image URL",
+                ));
+            }
+            if let Some(pvc) = &src.pvc {
+                if pvc.name.is_empty() {
+                    errs.push(FieldError::required(
+                        format!("{p}.spec.source.pvc.name"),
+                        "",
+                    ));
+                } else if !is_dns_subdomain(&pvc.name) {
+                    errs.push(FieldError::invalid(
+                        format!("{p}.spec.source.pvc.name"),
+                        &pvc.name,
+                        "must name a Volume",
+                    ));
+                }
+                if let (Some(n), Some(vm_ns)) = (&pvc.namespace, &vm.metadata.namespace)
+                    && n != vm_ns
+                {
+                    errs.push(FieldError::forbidden(
+                        format!("{p}.spec.source.pvc.namespace"),
+                        "clones across namespaces are not supported; clone a Volume of the VM's namespace",
+                    ));
+                }
             }
         }
     }

@@ -40,6 +40,9 @@ use serde::{Deserialize, Serialize};
 use sheaf_orchestrator::agent::NodeAgentConfig;
 use tracing::{info, warn};
 
+/// The pod network of every node (see `sheaf_orchestrator::network`).
+pub const POD_CIDR: &str = "10.244.0.0/16";
+
 /// First two octets of the node subnets.
 const BASE: [u8; 2] = [10, 213];
 
@@ -617,7 +620,11 @@ impl NetnsNodes {
             .arg("--storage-bytes")
             .arg(cfg.storage_bytes.to_string())
             .arg("--heartbeat-ms")
-            .arg(cfg.heartbeat_interval.as_millis().to_string());
+            .arg(cfg.heartbeat_interval.as_millis().to_string())
+            // Each node namespace has its own pod bridge (same gateway on
+            // every node, so a VM keeps its address when it moves).
+            .arg("--pod-cidr")
+            .arg(POD_CIDR);
         if let Some(z) = &cfg.zone {
             cmd.arg("--zone").arg(z);
         }

@@ -119,6 +119,58 @@ fn stop_and_check_clean(mut c: Cluster, dir: &Path, prefix: &str, bridge: &str) 
     assert!(!dir.join("sheaf.pid").exists());
 }
 
+/// The VMI's first interface `(mac, tap)` once its status shows it, after
+/// checking the tap is on the pod bridge of `node` and NAT is in place.
+fn pod_interface(dir: &Path, prefix: &str, node: &str) -> (String, String) {
+    let t = Instant::now();
+    let (mac, tap) = loop {
+        let out = kubectl(
+            dir,
+            &[
+                "get",
+                "vmi",
+                "demo",
+                "-o",
+                "jsonpath={.status.interfaces[0].mac} {.status.interfaces[0].interfaceName} {.status.interfaces[0].name}",
+            ],
+        );
+        let f: Vec<&str> = out.split_whitespace().collect();
+        if f.len() == 3 {
+            assert_eq!(f[2], "default", "{out}");
+            break (f[0].to_string(), f[1].to_string());
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no status.interfaces: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let ns = format!("{prefix}{node}");
+    let run = |args: &[&str]| {
+        let o = Command::new("ip")
+            .args(["netns", "exec", &ns])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let links = run(&["ip", "-o", "link", "show", "master", "sheafpod"]);
+    assert!(
+        links.contains(&tap),
+        "{tap} not on {node}'s pod bridge: {links}"
+    );
+    assert!(
+        mac.starts_with("02:"),
+        "a derived, locally administered MAC: {mac}"
+    );
+    let rules = run(&["nft", "list", "ruleset"]);
+    assert!(
+        rules.contains("masquerade") && rules.contains("10.244.0.0/16"),
+        "{rules}"
+    );
+    (mac, tap)
+}
+
 /// Whether network namespaces can be created here.
 fn netns_usable() -> Result<(), String> {
     // SAFETY: geteuid has no preconditions.
@@ -226,6 +278,10 @@ fn cluster_end_to_end_netns() {
         ],
     );
     let node1 = vmi_node(&dir);
+    // KubeVirt's default pod interface: a tap on node1's pod bridge, MAC
+    // and tap in status.interfaces (no address: the probe guest runs no
+    // DHCP client), the masquerade rule in the node's namespace.
+    let (mac1, tap1) = pod_interface(&dir, &prefix, &node1);
     let c1 = wait_console(&dir, "two acks", |c| acks(c).len() >= 2);
     assert_eq!(last_found(&c1), Some(8), "{c1}");
 
@@ -254,6 +310,9 @@ fn cluster_end_to_end_netns() {
     );
     let node2 = vmi_node(&dir);
     assert_ne!(node1, node2);
+    let (mac2, tap2) = pod_interface(&dir, &prefix, &node2);
+    assert_eq!(mac1, mac2, "the MAC stays with the VM across nodes");
+    assert_ne!(tap1, tap2, "a new instance, a new tap");
     let c2 = wait_console(&dir, "the new guest's log scan", |c| {
         last_found(c).is_some_and(|f| f > acked)
     });

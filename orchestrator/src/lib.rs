@@ -29,6 +29,7 @@ pub mod images;
 pub mod kube;
 pub mod launcher;
 pub mod names;
+pub mod network;
 pub mod resources;
 pub mod runtime;
 pub mod store;

@@ -148,6 +148,7 @@ fn probe_vm(args: &str) -> VmSpec {
         initramfs: None,
         cmdline: format!("console=ttyS0 {args}"),
         boot_disk: None,
+        nets: Vec::new(),
     }
 }
 
@@ -269,6 +270,7 @@ async fn qemu_launcher_boots_linux_on_a_replicated_volume() {
         initramfs: Some(image.initramfs.clone()),
         cmdline: sheaf_testkit::guest::DEFAULT_CMDLINE.into(),
         boot_disk: None,
+        nets: Vec::new(),
     };
     let s = spec(tmp.path(), &r, "qemu", vm, 5);
     let mut c = launch(&s);
@@ -349,6 +351,7 @@ async fn qemu_linux_guest_reads_the_cloud_init_seed() {
         initramfs: Some(image.initramfs.clone()),
         cmdline: sheaf_testkit::guest::DEFAULT_CMDLINE.into(),
         boot_disk: None,
+        nets: Vec::new(),
     };
     let mut s = spec(tmp.path(), &r, "qemu", vm, 1);
     let user_data = "#cloud-config\nruncmd:\n  - [echo, sheaf-marker]\n";

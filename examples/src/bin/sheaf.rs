@@ -153,6 +153,10 @@ enum Cmd {
         /// inside it (repeatable; the cluster passes its data directory).
         #[arg(long)]
         protect_dir: Vec<PathBuf>,
+        /// The node's pod network (`A.B.C.D/N`): a bridge with the first
+        /// address, NAT and DHCP for the VMs' pod interfaces.
+        #[arg(long)]
+        pod_cidr: Option<String>,
     },
     /// (launcher) Serve one replica store.
     #[command(hide = true)]
@@ -355,6 +359,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             heartbeat_ms,
             image_dir,
             protect_dir,
+            pod_cidr,
         } => {
             // stderr is the node's agent.log.
             init_logs_at(None, "info")?;
@@ -371,6 +376,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cfg.storage_bytes = storage_bytes;
             cfg.heartbeat_interval = Duration::from_millis(heartbeat_ms.clamp(50, 60_000));
             cfg.images = sheaf_orchestrator::images::ImagePolicy::new(image_dir, protect_dir);
+            if let Some(c) = pod_cidr {
+                let (network, prefix) =
+                    sheaf_orchestrator::network::PodNetworkConfig::parse_cidr(&c)?;
+                cfg.pod_network = Some(sheaf_orchestrator::network::PodNetworkConfig {
+                    network,
+                    prefix,
+                    ..Default::default()
+                });
+            }
             tokio::runtime::Runtime::new()?.block_on(run_agent(cfg, &kc))
         }
         Cmd::Cluster {

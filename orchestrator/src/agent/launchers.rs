@@ -251,6 +251,9 @@ pub(crate) fn cleanup(shared: &Shared, uid: &str) {
     let Some(e) = lock(&shared.launchers).remove(uid) else {
         return;
     };
+    if let Some(spec) = read_spec(&e.dir) {
+        super::net::detach(shared, &spec);
+    }
     let parent = shared.launchers_dir();
     if let Err(err) = names::ensure_child(&parent, &e.dir) {
         warn!(error = %err, "not removing a launcher directory");
@@ -263,6 +266,26 @@ pub(crate) fn cleanup(shared: &Shared, uid: &str) {
     if let Err(err) = names::remove_dir_under(&parent, &e.dir) {
         debug!(dir = %e.dir.display(), error = %err, "removing launcher directory");
     }
+}
+
+fn read_spec(dir: &std::path::Path) -> Option<LaunchSpec> {
+    let text = std::fs::read(dir.join(files::SPEC)).ok()?;
+    serde_json::from_slice(&text).ok()
+}
+
+/// The launch spec of the launcher of instance `uid`, if it is known.
+pub(crate) fn spec_of(shared: &Shared, uid: &str) -> Option<LaunchSpec> {
+    let dir = lock(&shared.launchers).get(uid)?.dir.clone();
+    read_spec(&dir)
+}
+
+/// The launch specs of the launchers in the data directory (before
+/// adoption: their taps are kept by the pod network's setup).
+pub(crate) fn saved_specs(shared: &Shared) -> Vec<LaunchSpec> {
+    let Ok(rd) = std::fs::read_dir(shared.launchers_dir()) else {
+        return Vec::new();
+    };
+    rd.flatten().filter_map(|e| read_spec(&e.path())).collect()
 }
 
 /// Adopts the launchers of a previous agent on this data directory and

@@ -21,6 +21,7 @@
 //! gets SIGKILL and the agent stops without cleaning up.
 
 mod launchers;
+mod net;
 mod replicas;
 mod vmi;
 
@@ -82,6 +83,10 @@ pub struct NodeAgentConfig {
     /// so only the built-in probe image boots until an operator allows a
     /// directory).
     pub images: crate::images::ImagePolicy,
+    /// The node's pod network (bridge, NAT, DHCP; see [`crate::network`]).
+    /// `None`: instances get no network card. Needs CAP_NET_ADMIN and a
+    /// network namespace of its own per node (`cluster up --netns`).
+    pub pod_network: Option<crate::network::PodNetworkConfig>,
 }
 
 impl NodeAgentConfig {
@@ -109,6 +114,7 @@ impl NodeAgentConfig {
             probe_kernel: sheaf_vmm::probe::elf_path().to_path_buf(),
             workers: 4,
             images: crate::images::ImagePolicy::default(),
+            pod_network: None,
         }
     }
 }
@@ -127,6 +133,9 @@ pub enum AgentError {
     /// Registering the node failed.
     #[error("registering node: {0}")]
     Store(#[from] StoreError),
+    /// The pod network could not be set up.
+    #[error("pod network: {0}")]
+    Network(#[from] crate::network::NetworkError),
 }
 
 /// State shared by the agent's tasks.
@@ -142,6 +151,8 @@ pub(crate) struct Shared {
     pub(crate) vmi_queue: OnceLock<Arc<WorkQueue<ObjectKey>>>,
     /// Tasks to abort on kill/shutdown (launcher connections, reapers).
     pub(crate) tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// The pod network, when configured.
+    pub(crate) pod: OnceLock<net::PodNet>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -202,7 +213,13 @@ impl NodeAgent {
             replicas: Mutex::new(HashMap::new()),
             vmi_queue: OnceLock::new(),
             tasks: Mutex::new(Vec::new()),
+            pod: OnceLock::new(),
         });
+        if let Some(pc) = &config.pod_network {
+            let saved = launchers::saved_specs(&shared);
+            let pod = net::PodNet::start(pc, &saved)?;
+            let _ = shared.pod.set(pod);
+        }
         register(&shared).await?;
         let identity = uuid::Uuid::new_v4().to_string();
         heartbeat_once(&shared, &identity).await?;

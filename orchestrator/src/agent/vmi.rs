@@ -316,6 +316,7 @@ fn build_spec(
             initramfs,
             cmdline,
             boot_disk,
+            nets: Vec::new(),
         },
         disks,
         file_disks,
@@ -412,11 +413,18 @@ impl Reconciler for AgentVmiReconciler {
             (Some(VmiPhase::Scheduled), Launcher::None) => {
                 let volumes = self.volumes(&vmi).await?;
                 match launch_spec(shared, &vmi, &volumes) {
-                    Ok(Some(spec)) => match self.write_seeds(&vmi, &spec).await? {
+                    Ok(Some(mut spec)) => match self.write_seeds(&vmi, &spec).await? {
                         Ok(()) => {
-                            launchers::spawn(shared, key, &spec).map_err(|e| {
-                                ControllerError::Invalid(format!("starting launcher: {e}"))
-                            })?;
+                            if let Err(msg) = super::net::attach(shared, &vmi, &mut spec).await {
+                                self.fail_launch(&vmi, "NetworkError", &msg).await?;
+                                return Ok(Action::Done);
+                            }
+                            if let Err(e) = launchers::spawn(shared, key, &spec) {
+                                super::net::detach(shared, &spec);
+                                return Err(ControllerError::Invalid(format!(
+                                    "starting launcher: {e}"
+                                )));
+                            }
                         }
                         Err(e) if e.is_waiting_for_secret() => {
                             // Pending until the Secret exists (Secrets are
@@ -466,6 +474,14 @@ impl Reconciler for AgentVmiReconciler {
                     );
                 } else {
                     remove_condition(&mut s.conditions, "Paused");
+                }
+                if let Some(spec) = launchers::spec_of(shared, &vuid) {
+                    let before = s.interfaces.clone();
+                    if let Some(ifs) =
+                        super::net::interfaces_status(shared, &spec, before.as_deref())
+                    {
+                        s.interfaces = Some(ifs);
+                    }
                 }
                 if v.status != vmi.status {
                     store.update_typed(&v, UpdateScope::Status).await?;

@@ -56,6 +56,24 @@ pub struct VmSpec {
     /// guest's disk order) instead of `kernel` (sheaf-vmm's disk boot).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot_disk: Option<usize>,
+    /// Network cards, each on a tap the agent made.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nets: Vec<VmNet>,
+}
+
+/// One virtio-net card.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VmNet {
+    /// Interface name in the instance spec.
+    pub name: String,
+    /// The tap (on the node's pod bridge).
+    pub tap: String,
+    /// The guest's MAC (`02:..`).
+    pub mac: String,
+    /// The address the node's DHCP server gives that MAC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<std::net::Ipv4Addr>,
 }
 
 /// What a guest disk reads and writes.

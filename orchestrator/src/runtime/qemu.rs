@@ -181,12 +181,26 @@ impl VmRuntime for QemuRuntime {
             .args(["-display", "none", "-monitor", "none", "-serial", "stdio"])
             .arg("-qmp")
             .arg(format!("unix:{},server=on,wait=off", qmp_sock.display()))
-            .args(["-nic", "none", "-no-reboot"])
+            .arg("-no-reboot")
             .arg("-kernel")
             .arg(&spec.kernel)
             .args(["-append", &spec.cmdline]);
         if let Some(i) = &spec.initramfs {
             cmd.arg("-initrd").arg(i);
+        }
+        if spec.nets.is_empty() {
+            cmd.args(["-nic", "none"]);
+        }
+        for (i, n) in spec.nets.iter().enumerate() {
+            crate::network::host::check_link_name(&n.tap)
+                .map_err(|e| RuntimeError::Config(e.to_string()))?;
+            crate::network::parse_mac(&n.mac).map_err(|e| RuntimeError::Config(e.to_string()))?;
+            cmd.arg("-netdev").arg(format!(
+                "tap,id=net{i},ifname={},script=no,downscript=no",
+                n.tap
+            ));
+            cmd.arg("-device")
+                .arg(format!("virtio-net-pci,netdev=net{i},mac={}", n.mac));
         }
         for (i, blockdev, serial, ro) in &drives {
             cmd.arg("-blockdev").arg(format!(

@@ -186,6 +186,12 @@ impl VmRuntime for VmmRuntime {
         if let Some(i) = &spec.initramfs {
             b = b.initramfs(i);
         }
+        for n in &spec.nets {
+            b = b.net_config(sheaf_vmm::NetConfig {
+                tap: n.tap.clone(),
+                mac: Some(n.mac.clone()),
+            });
+        }
         let cfg = b.build().map_err(|e| RuntimeError::Config(e.to_string()))?;
         let mut vb = Vm::builder(cfg);
         // In the guest's disk order: volumes and files interleave.

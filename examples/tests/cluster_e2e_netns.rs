@@ -171,6 +171,109 @@ fn pod_interface(dir: &Path, prefix: &str, node: &str) -> (String, String) {
     (mac, tap)
 }
 
+/// A probe guest with KubeVirt's explicit masquerade interface runs DHCP
+/// on the pod network: its address reaches `status.interfaces`, matches
+/// what the guest printed, answers ping from its node; deleting the VMI
+/// removes its tap.
+fn dhcp_guest(dir: &Path, prefix: &str, tmp: &tempfile::TempDir) {
+    let m = tmp.path().join("netprobe.yaml");
+    std::fs::write(
+        &m,
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: netprobe
+spec:
+  domain:
+    memory:
+      guest: 32Mi
+    firmware:
+      kernelBoot:
+        container:
+          image: sheaf.dev/probe
+        kernelArgs: console=ttyS0 probe.ip=dhcp
+    devices:
+      interfaces:
+        - name: default
+          masquerade: {}
+  networks:
+    - name: default
+      pod: {}
+",
+    )
+    .unwrap();
+    kubectl(dir, &["apply", "-f", m.to_str().unwrap()]);
+    let t = Instant::now();
+    let (ip, tap) = loop {
+        let out = kubectl(
+            dir,
+            &[
+                "get",
+                "vmi",
+                "netprobe",
+                "-o",
+                "jsonpath={.status.interfaces[0].ipAddress} {.status.interfaces[0].interfaceName}",
+            ],
+        );
+        let f: Vec<&str> = out.split_whitespace().collect();
+        if f.len() == 2 {
+            break (f[0].to_string(), f[1].to_string());
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "no address in status.interfaces: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(ip.starts_with("10.244."), "{ip}");
+    let node = kubectl(
+        dir,
+        &[
+            "get",
+            "vmi",
+            "netprobe",
+            "-o",
+            "jsonpath={.status.nodeName}",
+        ],
+    );
+    let ns = format!("{prefix}{}", node.trim());
+    let (good, console) = sheaf(dir, &["console", "netprobe", "--no-follow"]);
+    assert!(
+        good && console.contains(&format!("net: dhcp {ip}\n")),
+        "{console}"
+    );
+    let table = kubectl(dir, &["get", "vmi", "netprobe"]);
+    assert!(table.contains(&ip), "the IP column: {table}");
+    let p = Command::new("ip")
+        .args(["netns", "exec", &ns, "ping", "-c", "3", "-W", "2", &ip])
+        .output()
+        .unwrap();
+    assert!(
+        p.status.success(),
+        "ping {ip} from {ns}: {}",
+        String::from_utf8_lossy(&p.stdout)
+    );
+    kubectl(
+        dir,
+        &["delete", "vmi", "netprobe", "--wait=true", "--timeout=30s"],
+    );
+    let t = Instant::now();
+    loop {
+        let o = Command::new("ip")
+            .args(["-n", &ns, "-o", "link", "show"])
+            .output()
+            .unwrap();
+        if !String::from_utf8_lossy(&o.stdout).contains(&tap) {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "tap {tap} left in {ns}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// Whether network namespaces can be created here.
 fn netns_usable() -> Result<(), String> {
     // SAFETY: geteuid has no preconditions.
@@ -332,6 +435,8 @@ fn cluster_end_to_end_netns() {
         assert!(t.elapsed() < Duration::from_secs(20), "{s}");
         std::thread::sleep(Duration::from_millis(200));
     }
+
+    dhcp_guest(&dir, &prefix, &tmp);
 
     let acked = *acks(&ok(&dir, &["console", "demo", "--no-follow"]))
         .iter()

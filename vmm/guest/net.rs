@@ -7,6 +7,10 @@
 //! `quit` ends the loop; the probe then prints its counters and exits.
 //!
 //! `probe.net_csum=0` declines the checksum offloads (CSUM, GUEST_CSUM).
+//!
+//! `probe.ip=dhcp` gets the address by DHCP first (DISCOVER, OFFER,
+//! REQUEST, ACK; retransmitted about every second until bound) and prints
+//! `net: dhcp A.B.C.D`.
 
 use core::arch::asm;
 use core::ptr::{read_volatile, write_volatile};
@@ -222,11 +226,128 @@ fn answer(f: &[u8], out: &mut [u8; BUFLEN], mac: &[u8; 6], ip: &[u8; 4], c: &mut
     }
 }
 
+/// DHCP client state (`probe.ip=dhcp`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dhcp {
+    Off,
+    Discovering,
+    Requesting { offered: [u8; 4], server: [u8; 4] },
+    Bound,
+}
+
+const XID: [u8; 4] = [0x5e, 0xaf, 0x00, 0x01];
+
+/// A DHCP DISCOVER (`req` None) or REQUEST, broadcast from 0.0.0.0:68.
+fn dhcp_frame(out: &mut [u8; BUFLEN], mac: &[u8; 6], req: Option<([u8; 4], [u8; 4])>) -> usize {
+    out.fill(0);
+    let e = HDR;
+    out[e..e + 6].fill(0xff);
+    out[e + 6..e + 12].copy_from_slice(mac);
+    out[e + 12..e + 14].copy_from_slice(&[0x08, 0x00]);
+    let ih = e + 14;
+    let l4 = ih + 20;
+    let b = l4 + 8;
+    out[b] = 1; // BOOTREQUEST
+    out[b + 1] = 1;
+    out[b + 2] = 6;
+    out[b + 4..b + 8].copy_from_slice(&XID);
+    out[b + 10] = 0x80; // broadcast replies: we have no address yet
+    out[b + 28..b + 34].copy_from_slice(mac);
+    let mut o = b + 236;
+    out[o..o + 4].copy_from_slice(&[99, 130, 83, 99]);
+    o += 4;
+    out[o..o + 3].copy_from_slice(&[53, 1, if req.is_some() { 3 } else { 1 }]);
+    o += 3;
+    if let Some((ip, server)) = req {
+        out[o..o + 2].copy_from_slice(&[50, 4]);
+        out[o + 2..o + 6].copy_from_slice(&ip);
+        out[o + 6..o + 8].copy_from_slice(&[54, 4]);
+        out[o + 8..o + 12].copy_from_slice(&server);
+        o += 12;
+    }
+    out[o] = 255;
+    o += 1;
+    let udp_len = o - l4;
+    out[l4..l4 + 2].copy_from_slice(&68u16.to_be_bytes());
+    out[l4 + 2..l4 + 4].copy_from_slice(&67u16.to_be_bytes());
+    out[l4 + 4..l4 + 6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+    let total = o - ih;
+    out[ih] = 0x45;
+    out[ih + 2..ih + 4].copy_from_slice(&(total as u16).to_be_bytes());
+    out[ih + 8] = 64;
+    out[ih + 9] = 17;
+    out[ih + 16..ih + 20].fill(0xff);
+    let sum = csum16(&out[ih..ih + 20]);
+    out[ih + 10..ih + 12].copy_from_slice(&sum.to_be_bytes());
+    o
+}
+
+/// A DHCP reply for us in frame `f`: (message type, yiaddr, server id).
+fn dhcp_reply(f: &[u8], mac: &[u8; 6]) -> Option<(u8, [u8; 4], [u8; 4])> {
+    let e = HDR;
+    if f.len() < e + 14 + 20 + 8 + 240 || f[e + 12..e + 14] != [0x08, 0x00] {
+        return None;
+    }
+    let ih = e + 14;
+    let ihl = ((f[ih] & 0xf) as usize) * 4;
+    if f[ih + 9] != 17 || ihl < 20 {
+        return None;
+    }
+    let l4 = ih + ihl;
+    let b = l4 + 8;
+    if f.len() < b + 240 || f[l4 + 2..l4 + 4] != [0, 68] || f[b] != 2 || f[b + 4..b + 8] != XID || f[b + 28..b + 34] != mac[..] || f[b + 236..b + 240] != [99, 130, 83, 99] {
+        return None;
+    }
+    let mut yi = [0u8; 4];
+    yi.copy_from_slice(&f[b + 16..b + 20]);
+    let (mut kind, mut server) = (0u8, [0u8; 4]);
+    let mut o = b + 240;
+    while o < f.len() {
+        let code = f[o];
+        if code == 255 {
+            break;
+        }
+        if code == 0 {
+            o += 1;
+            continue;
+        }
+        let len = *f.get(o + 1)? as usize;
+        let v = f.get(o + 2..o + 2 + len)?;
+        match (code, len) {
+            (53, 1) => kind = v[0],
+            (54, 4) => server.copy_from_slice(v),
+            _ => {}
+        }
+        o += 2 + len;
+    }
+    Some((kind, yi, server))
+}
+
+fn rdtsc() -> u64 {
+    // SAFETY: rdtsc has no memory effects.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+fn put_ip(ip: &[u8; 4]) {
+    for (i, b) in ip.iter().enumerate() {
+        put_dec(*b as u64);
+        if i < 3 {
+            super::putc(b'.');
+        }
+    }
+}
+
 /// Runs the echo loop on the card at `base`; returns when told to quit.
 pub fn net_test(base: u64, irq: u32, cmdline: &[u8]) {
-    let Some(ip) = find(cmdline, b"probe.ip=").and_then(parse_ip) else {
-        fail(0x40, "probe.ip= is not an IPv4 address");
-    };
+    let use_dhcp = find(cmdline, b"probe.ip=dhcp").is_some();
+    let mut ip = [0u8; 4];
+    if !use_dhcp {
+        let Some(a) = find(cmdline, b"probe.ip=").and_then(parse_ip) else {
+            fail(0x40, "probe.ip= is not an IPv4 address (or dhcp)");
+        };
+        ip = a;
+    }
+    let mut dhcp = if use_dhcp { Dhcp::Discovering } else { Dhcp::Off };
     let want_csum = find(cmdline, b"probe.net_csum=0").is_none();
     puts("virtio: net at ");
     put_hex(base);
@@ -303,6 +424,24 @@ pub fn net_test(base: u64, irq: u32, cmdline: &[u8]) {
     puts("net: up\n");
     let mut c = Counters { rx: 0, tx: 0, arp: 0, icmp: 0, udp: 0, partial: 0, other: 0 };
     let mut quit = false;
+    // DHCP transmissions go in their own slot-free way: wait for the ring
+    // to drain, then use the next slot.
+    let send_dhcp = |tx: &mut Vq, req: Option<([u8; 4], [u8; 4])>| {
+        while tx.avail_idx.wrapping_sub(tx.used_idx()) >= NQ {
+            core::hint::spin_loop();
+        }
+        let slot = tx.avail_idx % NQ;
+        // SAFETY: the slot is free (the device used it); single-threaded guest.
+        let txbufs: &mut [[u8; BUFLEN]; NQ as usize] = unsafe { &mut *(&raw mut NET_BUFS.tx) };
+        let n = dhcp_frame(&mut txbufs[slot as usize], &mac, req);
+        tx.set_desc(slot, txbuf(slot), n as u32, false);
+        tx.push(slot);
+        wr32(base + 0x50, 1);
+    };
+    let mut last_sent = rdtsc();
+    if dhcp == Dhcp::Discovering {
+        send_dhcp(&mut tx, None);
+    }
     while !quit {
         let mut reposted = false;
         while rx.used_seen != rx.used_idx() {
@@ -323,7 +462,24 @@ pub fn net_test(base: u64, irq: u32, cmdline: &[u8]) {
             let txbufs: &mut [[u8; BUFLEN]; NQ as usize] = unsafe { &mut *(&raw mut NET_BUFS.tx) };
             let frame = &rxbufs[id as usize][..len];
             let out = &mut txbufs[slot as usize];
-            let n = answer(frame, out, &mac, &ip, &mut c, &mut quit);
+            let mut n = 0;
+            match (dhcp, dhcp_reply(frame, &mac)) {
+                (Dhcp::Discovering, Some((2, offered, server))) => {
+                    dhcp = Dhcp::Requesting { offered, server };
+                    n = dhcp_frame(out, &mac, Some((offered, server)));
+                    last_sent = rdtsc();
+                }
+                (Dhcp::Requesting { offered, .. }, Some((5, acked, _))) if acked == offered => {
+                    ip = acked;
+                    dhcp = Dhcp::Bound;
+                    puts("net: dhcp ");
+                    put_ip(&ip);
+                    puts("\n");
+                }
+                (Dhcp::Requesting { .. }, Some((6, _, _))) => dhcp = Dhcp::Discovering,
+                (_, Some(_)) => c.other += 1,
+                (_, None) => n = answer(frame, out, &mac, &ip, &mut c, &mut quit),
+            }
             rx.push(id);
             reposted = true;
             if n > 0 {
@@ -340,7 +496,20 @@ pub fn net_test(base: u64, irq: u32, cmdline: &[u8]) {
         if isr != 0 {
             wr32(base + 0x64, isr);
         }
-        if !quit && rx.used_seen == rx.used_idx() {
+        if matches!(dhcp, Dhcp::Discovering | Dhcp::Requesting { .. }) {
+            // No timer interrupt here: poll, and send again after ~1 s of
+            // TSC time (at least 1 GHz on any host KVM runs on).
+            if rdtsc().wrapping_sub(last_sent) > 1_000_000_000 {
+                let req = match dhcp {
+                    Dhcp::Requesting { offered, server } => Some((offered, server)),
+                    _ => None,
+                };
+                send_dhcp(&mut tx, req);
+                c.tx += 1;
+                last_sent = rdtsc();
+            }
+            core::hint::spin_loop();
+        } else if !quit && rx.used_seen == rx.used_idx() {
             unsafe { asm!("sti", "hlt", "cli") };
         }
     }

@@ -211,6 +211,42 @@ async fn bad_bodies_get_status_errors() {
             && fields.contains(&"spec.template.spec.domain.resources.requests.memory"),
         "{fields:?}"
     );
+    // Networks: an interface without its network, a multicast MAC, two
+    // interfaces with one MAC — each a cause naming the field.
+    let mut nets = vm("n");
+    let t = &mut nets["spec"]["template"]["spec"];
+    t["networks"] = json!([{"name": "default", "pod": {}}, {"name": "second", "pod": {}}]);
+    t["domain"]["devices"]["interfaces"] = json!([
+        {"name": "default", "masquerade": {}, "macAddress": "02:00:00:00:00:01"},
+        {"name": "second", "bridge": {}, "macAddress": "02:00:00:00:00:01"},
+        {"name": "ghost", "masquerade": {}, "macAddress": "03:00:00:00:00:02"},
+    ]);
+    let s = assert_status(&c.post_json(VMS, &nets).await, 422, "Invalid");
+    let causes: Vec<(String, String)> = s["details"]["causes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["field"].as_str().unwrap().to_string(),
+                c["message"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    let ifs = "spec.template.spec.domain.devices.interfaces";
+    let has = |f: &str, m: &str| causes.iter().any(|(cf, cm)| cf == f && cm.contains(m));
+    assert!(
+        has(&format!("{ifs}[1].macAddress"), "Duplicate"),
+        "{causes:?}"
+    );
+    assert!(
+        has(&format!("{ifs}[2].name"), "no network of that name"),
+        "{causes:?}"
+    );
+    assert!(
+        has(&format!("{ifs}[2].macAddress"), "unicast"),
+        "{causes:?}"
+    );
     let mut badname = vm("Bad_Name");
     badname["metadata"]["name"] = json!("Bad_Name");
     assert_status(&c.post_json(VMS, &badname).await, 422, "Invalid");

@@ -208,6 +208,7 @@ pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec
         }
     }
     let mut if_names = BTreeSet::new();
+    let mut macs = BTreeSet::new();
     for (i, ifc) in d.devices.interfaces.iter().enumerate() {
         let ip = format!("{p}.domain.devices.interfaces[{i}]");
         if ifc.name.is_empty() {
@@ -227,14 +228,24 @@ pub fn validate_vmi_spec(s: &VirtualMachineInstanceSpec, p: &str, errs: &mut Vec
                 "only one binding method may be set",
             ));
         }
-        if let Some(mac) = &ifc.mac_address
-            && !is_mac(mac)
-        {
-            errs.push(FieldError::invalid(
-                format!("{ip}.macAddress"),
-                mac,
-                "must be a MAC address such as 02:00:00:12:34:56",
-            ));
+        if let Some(mac) = &ifc.mac_address {
+            match crate::network::parse_mac(mac) {
+                Err(_) if !is_mac(mac) => errs.push(FieldError::invalid(
+                    format!("{ip}.macAddress"),
+                    mac,
+                    "must be a MAC address such as 02:00:00:12:34:56",
+                )),
+                Err(_) => errs.push(FieldError::invalid(
+                    format!("{ip}.macAddress"),
+                    mac,
+                    "must be a unicast MAC address (the first byte even)",
+                )),
+                Ok(m) => {
+                    if !macs.insert(m) {
+                        errs.push(FieldError::duplicate(format!("{ip}.macAddress"), mac));
+                    }
+                }
+            }
         }
         for (j, port) in ifc.ports.iter().flatten().enumerate() {
             if port.port == 0 {

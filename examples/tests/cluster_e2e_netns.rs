@@ -171,40 +171,104 @@ fn pod_interface(dir: &Path, prefix: &str, node: &str) -> (String, String) {
     (mac, tap)
 }
 
-/// A probe guest with KubeVirt's explicit masquerade interface runs DHCP
-/// on the pod network: its address reaches `status.interfaces`, matches
-/// what the guest printed, answers ping from its node; deleting the VMI
-/// removes its tap.
+/// A probe guest VM with KubeVirt's explicit masquerade interface runs
+/// DHCP on the pod network: its address reaches `status.interfaces`,
+/// matches what the guest printed, answers ping from its node; after its
+/// node is killed it runs on another node with the same MAC and address;
+/// deleting the VM removes its tap.
 fn dhcp_guest(dir: &Path, prefix: &str, tmp: &tempfile::TempDir) {
     let m = tmp.path().join("netprobe.yaml");
     std::fs::write(
         &m,
         "apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
+kind: VirtualMachine
 metadata:
   name: netprobe
 spec:
-  domain:
-    memory:
-      guest: 32Mi
-    firmware:
-      kernelBoot:
-        container:
-          image: sheaf.dev/probe
-        kernelArgs: console=ttyS0 probe.ip=dhcp
-    devices:
-      interfaces:
+  runStrategy: Always
+  template:
+    spec:
+      domain:
+        memory:
+          guest: 32Mi
+        firmware:
+          kernelBoot:
+            container:
+              image: sheaf.dev/probe
+            kernelArgs: console=ttyS0 probe.ip=dhcp
+        devices:
+          interfaces:
+            - name: default
+              masquerade: {}
+      networks:
         - name: default
-          masquerade: {}
-  networks:
-    - name: default
-      pod: {}
+          pod: {}
 ",
     )
     .unwrap();
     kubectl(dir, &["apply", "-f", m.to_str().unwrap()]);
+    let (node, ip, mac, tap) = dhcp_state(dir, prefix, None);
+    // Fail over: the same MAC and address on another node.
+    let out = ok(dir, &["node", "kill", &node, "--wait"]);
+    assert!(
+        out.contains("netprobe") || out.contains("running on"),
+        "{out}"
+    );
+    let (node2, ip2, mac2, tap2) = dhcp_state(dir, prefix, Some(&node));
+    assert_ne!(node, node2);
+    assert_eq!(
+        (ip2.as_str(), mac2.as_str()),
+        (ip.as_str(), mac.as_str()),
+        "address and MAC follow the VM"
+    );
+    ok(dir, &["node", "restart", &node]);
+    kubectl(
+        dir,
+        &["delete", "vm", "netprobe", "--wait=true", "--timeout=30s"],
+    );
+    let ns = format!("{prefix}{node2}");
     let t = Instant::now();
-    let (ip, tap) = loop {
+    loop {
+        let o = Command::new("ip")
+            .args(["-n", &ns, "-o", "link", "show"])
+            .output()
+            .unwrap();
+        let gone = !String::from_utf8_lossy(&o.stdout).contains(&tap2);
+        let vmi = Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(dir.join("admin.kubeconfig"))
+            .args(["get", "vmi", "netprobe"])
+            .output()
+            .unwrap();
+        if gone && !vmi.status.success() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "tap {tap2} left in {ns} ({tap})"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The restarted node is Ready again before the rest of the test.
+    let t = Instant::now();
+    loop {
+        let s = ok(dir, &["status"]);
+        if s.lines()
+            .any(|l| l.starts_with(&node) && l.contains(" Ready"))
+        {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "{s}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Waits until the netprobe VMI runs on a node other than `not_on` with an
+/// address the guest took; checks console, IP column and ping from the
+/// node. Returns (node, ip, mac, tap).
+fn dhcp_state(dir: &Path, prefix: &str, not_on: Option<&str>) -> (String, String, String, String) {
+    let t = Instant::now();
+    let (node, ip, mac, tap) = loop {
         let out = kubectl(
             dir,
             &[
@@ -212,31 +276,26 @@ spec:
                 "vmi",
                 "netprobe",
                 "-o",
-                "jsonpath={.status.interfaces[0].ipAddress} {.status.interfaces[0].interfaceName}",
+                "jsonpath={.status.nodeName} {.status.interfaces[0].ipAddress} {.status.interfaces[0].mac} {.status.interfaces[0].interfaceName}",
             ],
         );
         let f: Vec<&str> = out.split_whitespace().collect();
-        if f.len() == 2 {
-            break (f[0].to_string(), f[1].to_string());
+        if f.len() == 4 && Some(f[0]) != not_on {
+            break (
+                f[0].to_string(),
+                f[1].to_string(),
+                f[2].to_string(),
+                f[3].to_string(),
+            );
         }
         assert!(
-            t.elapsed() < Duration::from_secs(30),
+            t.elapsed() < Duration::from_secs(40),
             "no address in status.interfaces: {out}"
         );
         std::thread::sleep(Duration::from_millis(200));
     };
     assert!(ip.starts_with("10.244."), "{ip}");
-    let node = kubectl(
-        dir,
-        &[
-            "get",
-            "vmi",
-            "netprobe",
-            "-o",
-            "jsonpath={.status.nodeName}",
-        ],
-    );
-    let ns = format!("{prefix}{}", node.trim());
+    let ns = format!("{prefix}{node}");
     let (good, console) = sheaf(dir, &["console", "netprobe", "--no-follow"]);
     assert!(
         good && console.contains(&format!("net: dhcp {ip}\n")),
@@ -253,25 +312,7 @@ spec:
         "ping {ip} from {ns}: {}",
         String::from_utf8_lossy(&p.stdout)
     );
-    kubectl(
-        dir,
-        &["delete", "vmi", "netprobe", "--wait=true", "--timeout=30s"],
-    );
-    let t = Instant::now();
-    loop {
-        let o = Command::new("ip")
-            .args(["-n", &ns, "-o", "link", "show"])
-            .output()
-            .unwrap();
-        if !String::from_utf8_lossy(&o.stdout).contains(&tap) {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "tap {tap} left in {ns}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    (node, ip, mac, tap)
 }
 
 /// Whether network namespaces can be created here.

@@ -56,6 +56,8 @@ pub mod config;
 pub mod devices;
 pub mod error;
 pub mod exit;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod memory;
 pub mod probe;
 mod vcpu;

@@ -2,9 +2,34 @@
 //! Small port-I/O devices that end the VM: the i8042 reset line, a debug-exit
 //! port, and the hardware-reduced ACPI sleep/reset register.
 
-use super::BusDevice;
+use std::sync::{Arc, Mutex};
+
+use super::{Bus, BusDevice, SharedDevice};
 use crate::acpi::{RESET_VALUE, S5_SLEEP_VALUE};
+use crate::arch::x86_64::layout;
 use crate::exit::{ExitLatch, ExitReason};
+
+/// Puts the guest's port-I/O devices on `pio`: `serial` as COM1, the
+/// i8042, the debug-exit port and the ACPI sleep/reset register, the last
+/// three latching `exit`.
+pub fn insert_pio_devices(pio: &mut Bus, serial: SharedDevice, exit: &ExitLatch) {
+    pio.insert(u64::from(layout::COM1_PORT), 8, serial);
+    pio.insert(
+        u64::from(layout::I8042_PORT),
+        5,
+        Arc::new(Mutex::new(I8042::new(exit.clone()))),
+    );
+    pio.insert(
+        u64::from(layout::DEBUG_EXIT_PORT),
+        4,
+        Arc::new(Mutex::new(DebugExit::new(exit.clone()))),
+    );
+    pio.insert(
+        u64::from(layout::ACPI_PM_PORT),
+        1,
+        Arc::new(Mutex::new(AcpiPm::new(exit.clone()))),
+    );
+}
 
 /// The i8042 keyboard controller, reduced to what guests use to reboot:
 /// writing `0xfe` (pulse reset line) to the command port.

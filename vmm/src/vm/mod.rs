@@ -33,7 +33,6 @@ use vmm_sys_util::eventfd::EventFd;
 
 use crate::arch::x86_64::{self, layout};
 use crate::config::{ConfigError, SerialConfig, VmConfig};
-use crate::devices::legacy::{AcpiPm, DebugExit, I8042};
 use crate::devices::serial::{ConsoleRing, SerialDevice, SerialOut, SerialSink};
 use crate::devices::virtio::block::backend::BlockBackend;
 use crate::devices::virtio::block::{self, AsyncBlockBackend, BlockStats, VirtioBlock};
@@ -377,22 +376,7 @@ impl Vm {
             serial_irq,
             SerialOut::new(console.clone(), sink),
         )));
-        pio.insert(u64::from(layout::COM1_PORT), 8, serial.clone());
-        pio.insert(
-            u64::from(layout::I8042_PORT),
-            5,
-            Arc::new(Mutex::new(I8042::new(exit.clone()))),
-        );
-        pio.insert(
-            u64::from(layout::DEBUG_EXIT_PORT),
-            4,
-            Arc::new(Mutex::new(DebugExit::new(exit.clone()))),
-        );
-        pio.insert(
-            u64::from(layout::ACPI_PM_PORT),
-            1,
-            Arc::new(Mutex::new(AcpiPm::new(exit.clone()))),
-        );
+        crate::devices::legacy::insert_pio_devices(&mut pio, serial.clone(), &exit);
 
         // Disks: config first, then run-time backends.
         let mut backends: Vec<(Arc<dyn AsyncBlockBackend>, u16)> = Vec::new();

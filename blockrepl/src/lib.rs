@@ -21,6 +21,8 @@
 
 pub mod error;
 pub mod frontend;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod net;
 pub mod proto;
 mod recvbuf;

@@ -24,6 +24,8 @@ pub mod audit;
 pub mod cloudinit;
 pub mod cluster;
 pub mod controllers;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod images;
 #[cfg(feature = "kube")]
 pub mod kube;

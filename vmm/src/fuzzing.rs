@@ -10,9 +10,9 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::acpi::{RESET_VALUE, S5_SLEEP_VALUE};
+use crate::arch::x86_64::Entry;
 use crate::arch::x86_64::layout;
 use crate::boot::disk::{self, DiskBootFiles, MAX_INITRAMFS_BYTES, MAX_KERNEL_BYTES};
-use crate::arch::x86_64::Entry;
 use crate::boot::{self, BootFiles};
 use crate::config::{BootProtocol, KernelConfig};
 use crate::devices::Bus;
@@ -199,7 +199,9 @@ pub fn pio_case(data: &[u8]) {
     let sunk = Arc::new(Mutex::new(Vec::new()));
     let s2 = sunk.clone();
     let sink = SerialSink::Callback(Box::new(move |b: &[u8]| {
-        s2.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(b)
+        s2.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(b)
     }));
     let serial = Arc::new(Mutex::new(SerialDevice::new(
         irq,
@@ -307,7 +309,11 @@ mod tests {
     fn the_kernel_templates_load() {
         for (mode, want_pvh) in [(0b0100u8, false), (0b1000, false)] {
             let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), KERNEL_MEM)]).unwrap();
-            let kernel = if mode == 0b0100 { bzimage_template() } else { elf_template() };
+            let kernel = if mode == 0b0100 {
+                bzimage_template()
+            } else {
+                elf_template()
+            };
             let files = DiskBootFiles {
                 kernel,
                 kernel_path: "k".into(),
@@ -317,8 +323,14 @@ mod tests {
                 root_partition: 1,
                 bytes_read: 0,
             };
-            let l = boot::load(&mem, &KernelConfig::default(), BootFiles::Disk(&files), "x", 0)
-                .unwrap();
+            let l = boot::load(
+                &mem,
+                &KernelConfig::default(),
+                BootFiles::Disk(&files),
+                "x",
+                0,
+            )
+            .unwrap();
             assert_eq!(matches!(l.entry, Entry::Pvh { .. }), want_pvh);
             assert!(l.initramfs.is_some());
             kernel_load_case(&[mode | 2]);

@@ -55,8 +55,8 @@ type HmacSha256 = Hmac<Sha256>;
 /// `Refusal::Leased`); a peer of another version fails the handshake
 /// instead of meeting an unknown message later. Version 2: AES-256-GCM
 /// frames; version 1: HMAC-SHA256 tags.
-const MAGIC: &[u8; 8] = b"SHEAFRP4";
-const NONCE: usize = 32;
+pub(crate) const MAGIC: &[u8; 8] = b"SHEAFRP4";
+pub(crate) const NONCE: usize = 32;
 /// Tag of an encrypted frame (AES-GCM).
 const TAG: usize = 16;
 /// Tag of a checksummed frame (XXH3-64).

@@ -140,79 +140,36 @@ impl RedbStore {
         };
         let lock = super::lock::lock_dir(dir)?;
         super::lock::private_file(path.as_ref())?;
-        let db = Database::create(path.as_ref()).map_err(backend_err)?;
-        let mut state = State::default();
-        {
-            let w = db.begin_write().map_err(backend_err)?;
-            {
-                w.open_table(OBJECTS).map_err(backend_err)?;
-                w.open_table(EVENTS).map_err(backend_err)?;
-                w.open_table(META).map_err(backend_err)?;
-            }
-            w.commit().map_err(backend_err)?;
-        }
-        let r = db.begin_read().map_err(backend_err)?;
-        let meta = r.open_table(META).map_err(backend_err)?;
-        state.rv = meta
-            .get("rv")
-            .map_err(backend_err)?
-            .map(|v| v.value())
-            .unwrap_or(0);
-        state.compacted = meta
-            .get("compacted")
-            .map_err(backend_err)?
-            .map(|v| v.value())
-            .unwrap_or(0);
-        let objects = r.open_table(OBJECTS).map_err(backend_err)?;
-        // A record that cannot be read back is skipped and reported, not
-        // fatal: one bad object must not keep every other one offline.
-        for item in objects.iter().map_err(backend_err)? {
-            let (k, v) = item.map_err(backend_err)?;
-            let parsed = parse_key(k.value())
-                .ok_or_else(|| "bad key".to_string())
-                .and_then(|key| {
-                    serde_json::from_slice::<Value>(v.value())
-                        .map(|obj| (key, obj))
-                        .map_err(|e| e.to_string())
-                });
-            match parsed {
-                Ok((key, obj)) => state.insert_loaded(key, obj),
-                Err(e) => {
-                    tracing::error!(key = %k.value(), error = %e, "store record unreadable; skipped");
-                    state
-                        .unreadable
-                        .push(format!("object {:?}: {e}", k.value()));
+        let shown = path.as_ref().display().to_string();
+        // redb trusts its file: pages are only checksummed on recovery, and
+        // a corrupt page read later panics inside redb. So the whole file
+        // is verified first, and a panic that still escapes while loading
+        // becomes an error naming the file (found by the api_store_reload
+        // fuzz target).
+        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(
+            || -> StoreResult<(Database, State)> {
+                let mut db = Database::create(path.as_ref()).map_err(backend_err)?;
+                match db.check_integrity() {
+                    Ok(true) => {}
+                    Ok(false) => tracing::warn!(path = %shown, "store file repaired on open"),
+                    Err(e) => {
+                        return Err(StoreError::Backend(format!(
+                            "store file {shown} failed its integrity check: {e}"
+                        )));
+                    }
                 }
+                let state = load(&db, events)?;
+                Ok((db, state))
+            },
+        ));
+        let (db, state) = match loaded {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(StoreError::Backend(format!(
+                    "store file {shown} is corrupt: reading it failed"
+                )));
             }
-        }
-        let evs = r.open_table(EVENTS).map_err(backend_err)?;
-        let mut bad_events = false;
-        for item in evs.iter().map_err(backend_err)? {
-            let (k, v) = item.map_err(backend_err)?;
-            let ev = serde_json::from_slice::<Value>(v.value())
-                .ok()
-                .and_then(|val| parse_event(k.value(), val));
-            match ev {
-                Some(ev) => state.history.push_back(ev),
-                None => {
-                    tracing::error!(rv = k.value(), "store event unreadable; skipped");
-                    state.unreadable.push(format!("event {}", k.value()));
-                    bad_events = true;
-                }
-            }
-        }
-        if bad_events {
-            // The history has a hole: watches from before now must relist.
-            state.history.clear();
-            state.compacted = state.rv;
-        }
-        // Keep only what the (possibly smaller) limit allows.
-        while state.history.len() > events.max(1) {
-            if let Some(e) = state.history.pop_front() {
-                state.compacted = e.rv;
-            }
-        }
-        drop((meta, objects, evs, r));
+        };
         tracing::info!(path = %path.as_ref().display(), rv = state.rv, objects = state.objects.len(), unreadable = state.unreadable.len(), "opened redb store");
         Ok(Self(Arc::new(Core::new(
             state,
@@ -226,6 +183,83 @@ impl RedbStore {
     pub fn unreadable(&self) -> Vec<String> {
         self.0.unreadable()
     }
+}
+
+/// Creates the tables if missing and loads objects, events and counters.
+fn load(db: &Database, events: usize) -> StoreResult<State> {
+    let mut state = State::default();
+    {
+        let w = db.begin_write().map_err(backend_err)?;
+        {
+            w.open_table(OBJECTS).map_err(backend_err)?;
+            w.open_table(EVENTS).map_err(backend_err)?;
+            w.open_table(META).map_err(backend_err)?;
+        }
+        w.commit().map_err(backend_err)?;
+    }
+    let r = db.begin_read().map_err(backend_err)?;
+    let meta = r.open_table(META).map_err(backend_err)?;
+    state.rv = meta
+        .get("rv")
+        .map_err(backend_err)?
+        .map(|v| v.value())
+        .unwrap_or(0);
+    state.compacted = meta
+        .get("compacted")
+        .map_err(backend_err)?
+        .map(|v| v.value())
+        .unwrap_or(0);
+    let objects = r.open_table(OBJECTS).map_err(backend_err)?;
+    // A record that cannot be read back is skipped and reported, not
+    // fatal: one bad object must not keep every other one offline.
+    for item in objects.iter().map_err(backend_err)? {
+        let (k, v) = item.map_err(backend_err)?;
+        let parsed = parse_key(k.value())
+            .ok_or_else(|| "bad key".to_string())
+            .and_then(|key| {
+                serde_json::from_slice::<Value>(v.value())
+                    .map(|obj| (key, obj))
+                    .map_err(|e| e.to_string())
+            });
+        match parsed {
+            Ok((key, obj)) => state.insert_loaded(key, obj),
+            Err(e) => {
+                tracing::error!(key = %k.value(), error = %e, "store record unreadable; skipped");
+                state
+                    .unreadable
+                    .push(format!("object {:?}: {e}", k.value()));
+            }
+        }
+    }
+    let evs = r.open_table(EVENTS).map_err(backend_err)?;
+    let mut bad_events = false;
+    for item in evs.iter().map_err(backend_err)? {
+        let (k, v) = item.map_err(backend_err)?;
+        let ev = serde_json::from_slice::<Value>(v.value())
+            .ok()
+            .and_then(|val| parse_event(k.value(), val));
+        match ev {
+            Some(ev) => state.history.push_back(ev),
+            None => {
+                tracing::error!(rv = k.value(), "store event unreadable; skipped");
+                state.unreadable.push(format!("event {}", k.value()));
+                bad_events = true;
+            }
+        }
+    }
+    if bad_events {
+        // The history has a hole: watches from before now must relist.
+        state.history.clear();
+        state.compacted = state.rv;
+    }
+    // Keep only what the (possibly smaller) limit allows.
+    while state.history.len() > events.max(1) {
+        if let Some(e) = state.history.pop_front() {
+            state.compacted = e.rv;
+        }
+    }
+    drop((meta, objects, evs, r));
+    Ok(state)
 }
 
 impl_store!(RedbStore);

@@ -490,6 +490,47 @@ pub fn store_reload_case(data: &[u8]) {
     let _ = std::fs::remove_file(&path);
 }
 
+/// The node's DHCP server on a guest packet: `data[0]` picks whether the
+/// packet is raw or a valid DISCOVER/REQUEST from a registered MAC with
+/// `data[1..]` written over it. The server answers only registered MACs,
+/// only with their address, and never panics.
+pub fn dhcp_case(data: &[u8]) {
+    use crate::network::{Leases, PodNetworkConfig, dhcp};
+    let cfg = PodNetworkConfig::default();
+    let leases = Leases::default();
+    let mac = [2, 0, 0, 0, 0, 7];
+    let ip = std::net::Ipv4Addr::new(10, 244, 3, 4);
+    leases.insert(mac, ip, "vm");
+    let Some((&sel, rest)) = data.split_first() else {
+        return;
+    };
+    let packet = if sel & 1 == 0 {
+        rest.to_vec()
+    } else {
+        let mut p = dhcp::tests_support::request(sel & 2 != 0, mac, ip);
+        // Patches: (offset, byte) pairs.
+        for c in rest.chunks_exact(3) {
+            let at = usize::from(u16::from_le_bytes([c[0], c[1]])) % (p.len() + 8);
+            if at < p.len() {
+                p[at] = c[2];
+            } else {
+                p.push(c[2]);
+            }
+        }
+        p
+    };
+    if let Some(r) = dhcp::respond(&packet, &cfg, &leases) {
+        use dhcproto::Decodable;
+        let m = dhcproto::v4::Message::from_bytes(&r.bytes).expect("our reply decodes");
+        assert_eq!(&m.chaddr()[..6], &mac, "a reply only to the registered MAC");
+        let y = m.yiaddr();
+        assert!(
+            y == ip || y.is_unspecified(),
+            "a reply only with its address: {y}"
+        );
+    }
+}
+
 #[cfg(test)]
 #[path = "fuzzing_tests.rs"]
 mod tests;

@@ -164,6 +164,13 @@ proptest! {
     }
 
     #[test]
+    fn fuzz_dhcp(sel in any::<u8>(), patches in prop::collection::vec(any::<u8>(), 0..40)) {
+        let mut d = vec![sel];
+        d.extend(patches);
+        super::dhcp_case(&d);
+    }
+
+    #[test]
     fn fuzz_store_reload(patches in prop::collection::vec((0u32..0x40000, prop::collection::vec(any::<u8>(), 0..6)), 1..4)) {
         let mut d = Vec::new();
         for (off, bytes) in patches {

@@ -120,6 +120,35 @@ pub fn respond(packet: &[u8], cfg: &PodNetworkConfig, leases: &Leases) -> Option
     Some(Reply { bytes, to, kind })
 }
 
+/// Valid requests for tests and fuzz seeds.
+#[doc(hidden)]
+pub mod tests_support {
+    use super::*;
+
+    /// A DISCOVER (or, with `request`, a REQUEST for `ip` to the default
+    /// gateway) from `mac`.
+    pub fn request(request: bool, mac: [u8; 6], ip: Ipv4Addr) -> Vec<u8> {
+        let mut m = Message::new(
+            Ipv4Addr::UNSPECIFIED,
+            Ipv4Addr::UNSPECIFIED,
+            Ipv4Addr::UNSPECIFIED,
+            Ipv4Addr::UNSPECIFIED,
+            &mac,
+        );
+        let o = m.opts_mut();
+        if request {
+            o.insert(DhcpOption::MessageType(MessageType::Request));
+            o.insert(DhcpOption::RequestedIpAddress(ip));
+            o.insert(DhcpOption::ServerIdentifier(
+                PodNetworkConfig::default().gateway(),
+            ));
+        } else {
+            o.insert(DhcpOption::MessageType(MessageType::Discover));
+        }
+        m.to_vec().unwrap_or_default()
+    }
+}
+
 /// Fixed BOOTP header length, then the 4-byte magic cookie.
 const HEADER: usize = 236;
 const COOKIE: [u8; 4] = [99, 130, 83, 99];

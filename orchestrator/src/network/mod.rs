@@ -159,7 +159,8 @@ pub fn parse_mac(s: &str) -> Result<[u8; 6], NetworkError> {
     }
     let mut m = [0u8; 6];
     for (o, p) in m.iter_mut().zip(&parts) {
-        if p.len() != 2 {
+        // from_str_radix alone would take a sign ("+a").
+        if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(bad());
         }
         *o = u8::from_str_radix(p, 16).map_err(|_| bad())?;
@@ -295,6 +296,7 @@ mod tests {
             "02:00:00:00:00:0g",
             "0200:00:00:00:00:01",
             "",
+            "+a:00:00:00:00:00",
         ] {
             assert!(parse_mac(bad).is_err(), "{bad}");
         }

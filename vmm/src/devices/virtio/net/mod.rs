@@ -73,7 +73,8 @@ impl MacAddr {
         }
         let mut mac = [0u8; 6];
         for (b, p) in mac.iter_mut().zip(&parts) {
-            if p.len() != 2 {
+            // from_str_radix alone would take a sign ("+a").
+            if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Err(format!("MAC address {s:?}: {p:?} is not one hex byte"));
             }
             *b = u8::from_str_radix(p, 16)

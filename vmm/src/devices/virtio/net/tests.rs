@@ -323,6 +323,8 @@ fn mac_addresses_parse_and_derive() {
     assert_eq!(a, MacAddr::derived("vm/net0"));
     assert_ne!(a, MacAddr::derived("vm/net1"));
     assert_eq!(a.0[0], 0x02, "locally administered unicast");
+    // u8::from_str_radix alone would take a sign.
+    assert!(MacAddr::parse("+a:00:00:00:00:00").is_err());
 }
 
 proptest::proptest! {

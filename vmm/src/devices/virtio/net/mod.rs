@@ -73,9 +73,12 @@ impl MacAddr {
         }
         let mut mac = [0u8; 6];
         for (b, p) in mac.iter_mut().zip(&parts) {
-            // from_str_radix alone would take a sign ("+a").
-            if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
+            if p.len() != 2 {
                 return Err(format!("MAC address {s:?}: {p:?} is not one hex byte"));
+            }
+            // from_str_radix alone would take a sign ("+a").
+            if !p.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(format!("MAC address {s:?}: {p:?} is not hex"));
             }
             *b = u8::from_str_radix(p, 16)
                 .map_err(|_| format!("MAC address {s:?}: {p:?} is not hex"))?;

@@ -52,19 +52,31 @@ async fn vmi_without_kernel_boot_boots_from_its_volume_and_reports_a_blank_disk(
     create(&store, &vm).await;
 
     let vmi_k = gk::<VirtualMachineInstance>();
-    let v = wait_json(&store, &vmi_k, "default", "db", T, |o| {
-        o["status"]["phase"] == "Failed"
-    })
-    .await;
+    // The launch spec is read while the launcher exists: once the VMI has
+    // failed, the agent may clean the launcher up at any moment.
+    let agent = cluster.agent(&node).unwrap();
+    let mut spec: Option<LaunchSpec> = None;
+    let t0 = std::time::Instant::now();
+    let v = loop {
+        if spec.is_none()
+            && let Some(l) = agent.launchers().first()
+            && let Ok(b) = std::fs::read(l.dir.join("spec.json"))
+        {
+            spec = serde_json::from_slice(&b).ok();
+        }
+        let o = store.get(&vmi_k, "default", "db").await.ok();
+        if let Some(o) = o.filter(|o| o["status"]["phase"] == "Failed") {
+            break o;
+        }
+        assert!(t0.elapsed() < T, "the VMI did not fail");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
     let reason = v["status"].to_string();
     assert!(
         reason.contains("boot disk 1 has no partition table"),
         "the VMM's reason should reach the VMI: {v}"
     );
-    let agent = cluster.agent(&node).unwrap();
-    let dir = agent.launchers()[0].dir.clone();
-    let spec: LaunchSpec =
-        serde_json::from_slice(&std::fs::read(dir.join("spec.json")).unwrap()).unwrap();
+    let spec = spec.expect("the launcher's spec was seen");
     assert_eq!(spec.runtime, "sheaf-vmm");
     assert_eq!(spec.vm.boot_disk, Some(1), "the volume, not the seed");
     assert!(spec.vm.kernel.as_os_str().is_empty());

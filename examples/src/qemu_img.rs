@@ -255,6 +255,17 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn no_qemu_img() -> bool {
+        let missing = std::process::Command::new("qemu-img")
+            .arg("--version")
+            .output()
+            .is_err();
+        if missing {
+            eprintln!("SKIP: no qemu-img");
+        }
+        missing
+    }
+
     #[test]
     fn backing_and_data_files_are_refused() {
         let ok = json!({"format": "qcow2", "virtual-size": 4096});
@@ -289,12 +300,7 @@ mod tests {
 
     #[tokio::test]
     async fn limits_and_timeouts_hold() {
-        if std::process::Command::new("qemu-img")
-            .arg("--version")
-            .output()
-            .is_err()
-        {
-            eprintln!("SKIP: no qemu-img");
+        if no_qemu_img() {
             return;
         }
         // An address-space limit too small for qemu-img to start.
@@ -309,12 +315,7 @@ mod tests {
 
     #[tokio::test]
     async fn truncated_qcow2_is_refused_before_convert() {
-        if std::process::Command::new("qemu-img")
-            .arg("--version")
-            .output()
-            .is_err()
-        {
-            eprintln!("SKIP: no qemu-img");
+        if no_qemu_img() {
             return;
         }
         let tmp = tempfile::tempdir().unwrap();

@@ -10,14 +10,13 @@
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use sheaf_orchestrator::network::{
     DhcpServer, Leases, PodBridge, PodNetworkConfig, format_mac, parse_mac,
 };
+use sheaf_testkit::netns::{NetNs, run};
 
 fn have(cmd: &str, arg: &str) -> bool {
     Command::new(cmd)
@@ -39,63 +38,6 @@ fn usable() -> bool {
         }
     }
     true
-}
-
-struct NetNs(String);
-
-impl NetNs {
-    fn new(tag: &str) -> NetNs {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "shpn{}-{tag}{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        run("ip", &["netns", "add", &name]);
-        let ns = NetNs(name);
-        ns.ip(&["link", "set", "lo", "up"]);
-        ns
-    }
-    fn ip(&self, args: &[&str]) -> String {
-        let mut a = vec!["-n", self.0.as_str()];
-        a.extend_from_slice(args);
-        run("ip", &a)
-    }
-    fn exec(&self, cmd: &[&str]) -> std::process::Output {
-        let mut a = vec!["netns", "exec", self.0.as_str()];
-        a.extend_from_slice(cmd);
-        Command::new("ip").args(&a).output().unwrap()
-    }
-    /// Runs `f` on a thread inside the namespace.
-    fn enter<T: Send + 'static>(
-        &self,
-        f: impl FnOnce() -> T + Send + 'static,
-    ) -> std::thread::JoinHandle<T> {
-        let path = format!("/run/netns/{}", self.0);
-        std::thread::spawn(move || {
-            let ns = std::fs::File::open(&path).unwrap();
-            // SAFETY: setns on an open namespace file; affects this thread only.
-            let r = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
-            f()
-        })
-    }
-}
-
-impl Drop for NetNs {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[test]
@@ -144,7 +86,7 @@ fn dhcp_and_masquerade_with_udhcpc_and_a_tcp_server_outside() {
     let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<PodBridge>();
     let (c2, l2) = (cfg.clone(), leases.clone());
-    let server = node.enter(move || {
+    let server = node.spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -229,7 +171,7 @@ fn dhcp_and_masquerade_with_udhcpc_and_a_tcp_server_outside() {
     );
 
     // A TCP server outside the node sees the node's address, not the guest's.
-    let srv = outside.enter(|| {
+    let srv = outside.spawn(|| {
         let l = TcpListener::bind("172.31.77.2:8080").unwrap();
         l.set_nonblocking(false).unwrap();
         let (mut s, peer) = l.accept().unwrap();
@@ -238,7 +180,7 @@ fn dhcp_and_masquerade_with_udhcpc_and_a_tcp_server_outside() {
         s.write_all(b"pong!").unwrap();
         (peer, b)
     });
-    let cli = guest.enter(|| {
+    let cli = guest.spawn(|| {
         let mut last = None;
         for _ in 0..50 {
             match TcpStream::connect_timeout(
@@ -270,13 +212,13 @@ fn dhcp_and_masquerade_with_udhcpc_and_a_tcp_server_outside() {
     let tap = PodBridge::tap_name("0123456789abcdef", 0);
     let b2 = bridge.clone();
     let t2 = tap.clone();
-    node.enter(move || b2.add_tap(&t2).unwrap()).join().unwrap();
+    node.spawn(move || b2.add_tap(&t2).unwrap()).join().unwrap();
     assert!(
         node.ip(&["-o", "link", "show", "master", "sheafpod"])
             .contains(&tap)
     );
     let b3 = bridge.clone();
-    node.enter(move || b3.teardown()).join().unwrap();
+    node.spawn(move || b3.teardown()).join().unwrap();
     stop_tx.send(()).unwrap();
     server.join().unwrap();
     let links = node.ip(&["-o", "link"]);

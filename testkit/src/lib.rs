@@ -49,6 +49,7 @@ pub mod guest;
 mod image;
 pub mod kernel;
 pub mod nested;
+pub mod netns;
 pub mod qemu;
 pub mod static_build;
 

@@ -7,11 +7,9 @@
 #![allow(clippy::unwrap_used)]
 
 use std::net::{SocketAddr, UdpSocket};
-use std::os::fd::AsRawFd;
-use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use sheaf_testkit::netns::NetNs;
 use sheaf_vmm::{ExitReason, Vm, VmConfig, probe};
 
 const HOST_IP: &str = "10.77.0.1";
@@ -30,66 +28,6 @@ fn can_run() -> bool {
         return false;
     }
     true
-}
-
-/// A network namespace, deleted on drop (with the tap in it).
-struct NetNs(String);
-
-impl NetNs {
-    fn new() -> NetNs {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "sheaf-t{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        run("ip", &["netns", "add", &name]);
-        let ns = NetNs(name);
-        ns.ip(&["link", "set", "lo", "up"]);
-        ns
-    }
-
-    fn ip(&self, args: &[&str]) {
-        let mut a = vec!["-n", self.0.as_str()];
-        a.extend_from_slice(args);
-        run("ip", &a);
-    }
-
-    fn exec(&self, cmd: &[&str]) -> std::process::Output {
-        let mut a = vec!["netns", "exec", self.0.as_str()];
-        a.extend_from_slice(cmd);
-        Command::new("ip").args(&a).output().unwrap()
-    }
-
-    /// Runs `f` on a thread that entered the namespace, so taps and sockets
-    /// it creates live there.
-    fn enter<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/run/netns/{}", self.0);
-        std::thread::spawn(move || {
-            let ns = std::fs::File::open(&path).unwrap();
-            // SAFETY: setns on an open namespace file; affects this thread only.
-            let r = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
-            f()
-        })
-        .join()
-        .unwrap()
-    }
-}
-
-impl Drop for NetNs {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-fn run(cmd: &str, args: &[&str]) {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn wait_console(vm: &Vm, what: &str) {
@@ -132,7 +70,7 @@ fn offloads(ns: &NetNs) -> String {
 /// accept the checksum offloads. Sends `frames` UDP datagrams through the
 /// guest's echo and checks each comes back, in order.
 fn run_echo(csum: bool, frames: u32) {
-    let ns = NetNs::new();
+    let ns = NetNs::new("tap");
     let cmdline = format!(
         "console=ttyS0 probe.ip={GUEST_IP}{}",
         if csum { "" } else { " probe.net_csum=0" }

@@ -143,12 +143,7 @@ pub(crate) async fn attach(
         .unwrap_or_default();
     let mut made: Vec<VmNet> = Vec::new();
     let fail = |made: &[VmNet], msg: String| {
-        for n in made {
-            pod.bridge.delete_tap(&n.tap);
-            if let Ok(m) = parse_mac(&n.mac) {
-                pod.leases.remove(&m);
-            }
-        }
+        release(pod, made);
         Err(msg)
     };
     for (i, (ifname, mac)) in ifaces.iter().enumerate() {
@@ -248,10 +243,14 @@ pub(crate) fn interfaces_status(
 
 /// Removes the taps and leases of a launch (its launcher is gone).
 pub(crate) fn detach(shared: &Shared, spec: &LaunchSpec) {
-    let Some(pod) = shared.pod.get() else {
-        return;
-    };
-    for n in &spec.vm.nets {
+    if let Some(pod) = shared.pod.get() {
+        release(pod, &spec.vm.nets);
+    }
+}
+
+/// Removes the taps and leases of `nets`.
+fn release(pod: &PodNet, nets: &[VmNet]) {
+    for n in nets {
         pod.bridge.delete_tap(&n.tap);
         if let Ok(m) = parse_mac(&n.mac) {
             pod.leases.remove(&m);

@@ -125,9 +125,8 @@ pub fn respond(packet: &[u8], cfg: &PodNetworkConfig, leases: &Leases) -> Option
 pub mod tests_support {
     use super::*;
 
-    /// A DISCOVER (or, with `request`, a REQUEST for `ip` to the default
-    /// gateway) from `mac`.
-    pub fn request(request: bool, mac: [u8; 6], ip: Ipv4Addr) -> Vec<u8> {
+    /// A request of `kind` from `mac` with `opts`.
+    pub fn packet(kind: MessageType, mac: [u8; 6], opts: Vec<DhcpOption>) -> Vec<u8> {
         let mut m = Message::new(
             Ipv4Addr::UNSPECIFIED,
             Ipv4Addr::UNSPECIFIED,
@@ -135,17 +134,29 @@ pub mod tests_support {
             Ipv4Addr::UNSPECIFIED,
             &mac,
         );
-        let o = m.opts_mut();
-        if request {
-            o.insert(DhcpOption::MessageType(MessageType::Request));
-            o.insert(DhcpOption::RequestedIpAddress(ip));
-            o.insert(DhcpOption::ServerIdentifier(
-                PodNetworkConfig::default().gateway(),
-            ));
-        } else {
-            o.insert(DhcpOption::MessageType(MessageType::Discover));
+        m.opts_mut().insert(DhcpOption::MessageType(kind));
+        for o in opts {
+            m.opts_mut().insert(o);
         }
         m.to_vec().unwrap_or_default()
+    }
+
+    /// A DISCOVER (or, with `request`, a REQUEST for `ip` to the default
+    /// gateway) from `mac`.
+    pub fn request(request: bool, mac: [u8; 6], ip: Ipv4Addr) -> Vec<u8> {
+        if request {
+            let gw = PodNetworkConfig::default().gateway();
+            packet(
+                MessageType::Request,
+                mac,
+                vec![
+                    DhcpOption::RequestedIpAddress(ip),
+                    DhcpOption::ServerIdentifier(gw),
+                ],
+            )
+        } else {
+            packet(MessageType::Discover, mac, Vec::new())
+        }
     }
 }
 
@@ -276,20 +287,7 @@ impl DhcpServer {
 mod tests {
     use super::*;
 
-    fn request(kind: MessageType, mac: [u8; 6], opts: Vec<DhcpOption>) -> Vec<u8> {
-        let mut m = Message::new(
-            Ipv4Addr::UNSPECIFIED,
-            Ipv4Addr::UNSPECIFIED,
-            Ipv4Addr::UNSPECIFIED,
-            Ipv4Addr::UNSPECIFIED,
-            &mac,
-        );
-        m.opts_mut().insert(DhcpOption::MessageType(kind));
-        for o in opts {
-            m.opts_mut().insert(o);
-        }
-        m.to_vec().unwrap()
-    }
+    use super::tests_support::packet as request;
 
     #[test]
     fn discover_request_ack_for_known_macs_only() {

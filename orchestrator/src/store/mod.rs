@@ -29,9 +29,11 @@
 //!
 //! Implementations: [`MemoryStore`] and [`RedbStore`] (persistent) share one
 //! core, so they behave identically; the redb store commits each write batch in
-//! one redb transaction before it becomes visible.
+//! one redb transaction before it becomes visible. [`EtcdStore`] uses the same
+//! core as a cache of etcd, which decides every write (see [`etcd`]).
 
 mod core;
+pub mod etcd;
 mod lock;
 pub mod memory;
 pub mod redb;
@@ -44,6 +46,7 @@ use async_trait::async_trait;
 use futures::Stream;
 use serde_json::Value;
 
+pub use etcd::{EtcdConfig, EtcdStore};
 pub use lock::LOCK_FILE;
 pub use memory::MemoryStore;
 pub use redb::RedbStore;

@@ -699,7 +699,7 @@ fn decode_continue(token: &str) -> StoreResult<(String, String)> {
     Ok((ns.to_string(), name.to_string()))
 }
 
-struct Filter {
+pub(crate) struct Filter {
     gk: GroupKind,
     namespace: Option<String>,
     labels: super::LabelSelector,
@@ -776,49 +776,35 @@ impl<B: Backend> Core<B> {
         if events.is_empty() {
             return Ok(result);
         }
-        let total = st.history.len() + events.len();
-        let drop = total.saturating_sub(self.history_limit);
-        let compacted = if drop == 0 {
-            st.compacted
-        } else {
-            st.history
-                .iter()
-                .chain(events.iter())
-                .nth(drop - 1)
-                .map(|e| e.rv)
-                .unwrap_or(st.compacted)
-        };
+        let compacted = self.compaction_point(&st, events.len(), events.iter().map(|e| e.rv));
         self.backend.commit(&Batch {
             changes: &changes,
             events: &events,
             rv,
             compacted,
         })?;
-        for c in changes {
-            match c {
-                Change::Put(k, v) => {
-                    if let Some(uid) = meta_str(&v, "uid") {
-                        st.uids.insert(uid.to_string(), k.clone());
-                    }
-                    st.objects.insert(k, v);
-                }
-                Change::Remove(k) => {
-                    if let Some(old) = st.objects.remove(&k)
-                        && let Some(uid) = meta_str(&old, "uid")
-                    {
-                        st.uids.remove(uid);
-                    }
-                }
-            }
-        }
-        st.history.extend(events);
-        while st.history.front().is_some_and(|e| e.rv <= compacted) {
-            st.history.pop_front();
-        }
-        st.compacted = compacted;
-        st.rv = rv;
+        apply(&mut st, changes, events, rv, compacted);
         drop_guard_then_notify(st, &self.notify, rv);
         Ok(result)
+    }
+
+    /// The compaction point once `added` more events (with versions `rvs`)
+    /// join the history: the version of the last event the limit drops.
+    fn compaction_point(
+        &self,
+        st: &State,
+        added: usize,
+        mut rvs: impl Iterator<Item = u64>,
+    ) -> u64 {
+        let total = st.history.len() + added;
+        let drop = total.saturating_sub(self.history_limit);
+        if drop == 0 {
+            return st.compacted;
+        }
+        if drop <= st.history.len() {
+            return st.history.get(drop - 1).map_or(st.compacted, |e| e.rv);
+        }
+        rvs.nth(drop - st.history.len() - 1).unwrap_or(st.compacted)
     }
 
     pub fn create(&self, gk: &GroupKind, ns: &str, obj: Value) -> StoreResult<Value> {
@@ -832,14 +818,7 @@ impl<B: Backend> Core<B> {
         obj: Value,
         scope: UpdateScope,
     ) -> StoreResult<Value> {
-        let name = meta_str(&obj, "name")
-            .ok_or_else(|| StoreError::Invalid {
-                kind: gk.clone(),
-                name: String::new(),
-                message: "metadata.name: Required value".into(),
-            })?
-            .to_string();
-        let key = (gk.group.clone(), gk.kind.clone(), ns.to_string(), name);
+        let key = update_key(gk, ns, &obj)?;
         self.write(|t| t.update(&key, obj, scope))
     }
 
@@ -879,63 +858,8 @@ impl<B: Backend> Core<B> {
         ns: Option<&str>,
         opts: &ListOptions,
     ) -> StoreResult<ObjectList> {
-        let start = opts
-            .continue_token
-            .as_deref()
-            .map(decode_continue)
-            .transpose()?;
         let st = self.lock();
-        let lo = (
-            gk.group.clone(),
-            gk.kind.clone(),
-            ns.unwrap_or("").to_string(),
-            String::new(),
-        );
-        let filter = Filter {
-            gk: gk.clone(),
-            namespace: ns.map(str::to_string),
-            labels: opts.labels.clone(),
-            fields: opts.fields.clone(),
-            progress: false,
-        };
-        let mut items = Vec::new();
-        let mut last_key = None;
-        let mut remaining = 0u64;
-        for (k, o) in st.objects.range(lo..) {
-            if k.0 != gk.group || k.1 != gk.kind {
-                break;
-            }
-            if let Some(ns) = ns
-                && k.2 != ns
-            {
-                break;
-            }
-            if let Some((sns, sname)) = &start
-                && (k.2.as_str(), k.3.as_str()) <= (sns.as_str(), sname.as_str())
-            {
-                continue;
-            }
-            if !filter.matches(o) {
-                continue;
-            }
-            if opts.limit > 0 && items.len() >= opts.limit {
-                remaining += 1;
-                continue;
-            }
-            items.push((**o).clone());
-            last_key = Some(k.clone());
-        }
-        let continue_token = if remaining > 0 {
-            last_key.as_ref().map(encode_continue)
-        } else {
-            None
-        };
-        Ok(ObjectList {
-            items,
-            resource_version: st.rv,
-            continue_token,
-            remaining: (remaining > 0).then_some(remaining),
-        })
+        list_in(&st.objects, st.rv, gk, ns, opts)
     }
 
     pub fn resource_version(&self) -> u64 {
@@ -1049,23 +973,125 @@ impl<B: Backend> Core<B> {
     }
 }
 
+/// One page of a list over `objects` (sorted by key), at version `rv`.
+pub(crate) fn list_in(
+    objects: &BTreeMap<ObjKey, Arc<Value>>,
+    rv: u64,
+    gk: &GroupKind,
+    ns: Option<&str>,
+    opts: &ListOptions,
+) -> StoreResult<ObjectList> {
+    let start = opts
+        .continue_token
+        .as_deref()
+        .map(decode_continue)
+        .transpose()?;
+    let lo = (
+        gk.group.clone(),
+        gk.kind.clone(),
+        ns.unwrap_or("").to_string(),
+        String::new(),
+    );
+    let filter = Filter {
+        gk: gk.clone(),
+        namespace: ns.map(str::to_string),
+        labels: opts.labels.clone(),
+        fields: opts.fields.clone(),
+        progress: false,
+    };
+    let mut items = Vec::new();
+    let mut last_key = None;
+    let mut remaining = 0u64;
+    for (k, o) in objects.range(lo..) {
+        if k.0 != gk.group || k.1 != gk.kind {
+            break;
+        }
+        if let Some(ns) = ns
+            && k.2 != ns
+        {
+            break;
+        }
+        if let Some((sns, sname)) = &start
+            && (k.2.as_str(), k.3.as_str()) <= (sns.as_str(), sname.as_str())
+        {
+            continue;
+        }
+        if !filter.matches(o) {
+            continue;
+        }
+        if opts.limit > 0 && items.len() >= opts.limit {
+            remaining += 1;
+            continue;
+        }
+        items.push((**o).clone());
+        last_key = Some(k.clone());
+    }
+    let continue_token = if remaining > 0 {
+        last_key.as_ref().map(encode_continue)
+    } else {
+        None
+    };
+    Ok(ObjectList {
+        items,
+        resource_version: rv,
+        continue_token,
+        remaining: (remaining > 0).then_some(remaining),
+    })
+}
+
+/// The key an update of `obj` writes (its name is required).
+fn update_key(gk: &GroupKind, ns: &str, obj: &Value) -> StoreResult<ObjKey> {
+    let name = meta_str(obj, "name").ok_or_else(|| StoreError::Invalid {
+        kind: gk.clone(),
+        name: String::new(),
+        message: "metadata.name: Required value".into(),
+    })?;
+    Ok(obj_key(gk, ns, name))
+}
+
+/// The key of an object.
+pub(crate) fn obj_key(gk: &GroupKind, ns: &str, name: &str) -> ObjKey {
+    (
+        gk.group.clone(),
+        gk.kind.clone(),
+        ns.to_string(),
+        name.to_string(),
+    )
+}
+
+/// Applies committed changes and their events to the state.
+fn apply(st: &mut State, changes: Vec<Change>, events: Vec<Event>, rv: u64, compacted: u64) {
+    for c in changes {
+        match c {
+            Change::Put(k, v) => {
+                if let Some(uid) = meta_str(&v, "uid") {
+                    st.uids.insert(uid.to_string(), k.clone());
+                }
+                st.objects.insert(k, v);
+            }
+            Change::Remove(k) => {
+                if let Some(old) = st.objects.remove(&k)
+                    && let Some(uid) = meta_str(&old, "uid")
+                {
+                    st.uids.remove(uid);
+                }
+            }
+        }
+    }
+    st.history.extend(events);
+    while st.history.front().is_some_and(|e| e.rv <= compacted) {
+        st.history.pop_front();
+    }
+    st.compacted = compacted;
+    st.rv = rv;
+}
+
 fn drop_guard_then_notify(st: MutexGuard<'_, State>, notify: &watch::Sender<u64>, rv: u64) {
     drop(st);
     notify.send_replace(rv);
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub(crate) mod remote;
 
-    #[test]
-    fn continue_tokens_round_trip() {
-        let k = ("g".into(), "K".into(), "ns".into(), "a-b".into());
-        assert_eq!(
-            decode_continue(&encode_continue(&k)).unwrap(),
-            ("ns".into(), "a-b".into())
-        );
-        assert!(decode_continue("zz").is_err());
-        assert!(decode_continue("abc").is_err());
-    }
-}
+#[cfg(test)]
+mod tests;

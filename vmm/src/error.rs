@@ -75,6 +75,9 @@ pub enum Error {
         /// The time waited.
         timeout_ms: u64,
     },
+    /// Saving or restoring a snapshot failed.
+    #[error("snapshot")]
+    Snapshot(#[from] crate::vm::state::SnapshotError),
     /// Reading the dirty-page log failed.
     #[error("cannot read the dirty-page log")]
     DirtyLog(#[source] kvm_ioctls::Error),

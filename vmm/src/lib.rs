@@ -61,7 +61,7 @@ pub mod fuzzing;
 pub mod memory;
 pub mod probe;
 mod vcpu;
-mod vm;
+pub(crate) mod vm;
 
 pub use config::{
     BootProtocol, DiskBoot, DiskConfig, IoEngine, KernelConfig, MemoryBacking, MemoryConfig,
@@ -74,4 +74,5 @@ pub use error::{Error, Result};
 pub use exit::ExitReason;
 pub use memory::DirtyRegion;
 pub use vcpu::{VcpuStats, kick_signal};
+pub use vm::state::{MEMORY_FILE, SNAPSHOT_VERSION, STATE_FILE, SnapshotError, VmSnapshot};
 pub use vm::{Vm, VmBuilder, VmEvent, VmMetrics, VmState};

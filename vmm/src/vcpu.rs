@@ -8,10 +8,17 @@
 //! either leaves KVM_RUN with `EINTR`, or — if the signal landed just before
 //! it entered — KVM_RUN returns at once. Either way the loop re-reads the
 //! desired state before running guest code again.
+//!
+//! Pausing: before it parks, a vCPU re-enters KVM_RUN once with
+//! `immediate_exit` set, which completes the port or MMIO access of its last
+//! exit (KVM finishes the instruction only on the next KVM_RUN) without
+//! running guest code, so a paused vCPU's registers are consistent. It then
+//! releases its `VcpuFd` (a mutex) while parked, so the VM can read or load
+//! its state, and takes it back before running again.
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
@@ -134,7 +141,7 @@ pub(crate) fn install_kick_handler() -> std::io::Result<()> {
 /// Everything a vCPU thread needs.
 pub(crate) struct VcpuContext {
     pub id: u8,
-    pub fd: VcpuFd,
+    pub fd: Arc<Mutex<VcpuFd>>,
     pub pio: Arc<Bus>,
     pub mmio: Arc<Bus>,
     pub exit: ExitLatch,
@@ -144,14 +151,26 @@ pub(crate) struct VcpuContext {
 }
 
 /// The vCPU thread body.
-pub(crate) fn run_vcpu(mut ctx: VcpuContext) {
-    let p: *mut u8 = &mut ctx.fd.get_kvm_run().immediate_exit;
+pub(crate) fn run_vcpu(ctx: VcpuContext) {
+    let slot = ctx.fd.clone();
+    let lock = || slot.lock().unwrap_or_else(|p| p.into_inner());
+    let mut fd = lock();
+    // The kvm_run mapping lives as long as the VcpuFd, which the slot keeps
+    // for the whole thread; the pointer stays valid while the lock is
+    // released during a pause.
+    let p: *mut u8 = &mut fd.get_kvm_run().immediate_exit;
     IMMEDIATE_EXIT.with(|c| c.set(p));
     loop {
         match ctx.control.desired() {
             Desired::Stop => break,
             Desired::Pause => {
+                if let Some(reason) = complete_pending_io(&ctx, &mut fd) {
+                    ctx.exit.request(reason);
+                    break;
+                }
+                drop(fd);
                 ctx.control.park();
+                fd = lock();
                 continue;
             }
             Desired::Run => {}
@@ -159,7 +178,7 @@ pub(crate) fn run_vcpu(mut ctx: VcpuContext) {
         if ctx.exit.is_set() {
             break;
         }
-        if let Some(reason) = run_once(&mut ctx) {
+        if let Some(reason) = run_once(&ctx, &mut fd) {
             ctx.exit.request(reason);
             break;
         }
@@ -167,13 +186,38 @@ pub(crate) fn run_vcpu(mut ctx: VcpuContext) {
     IMMEDIATE_EXIT.with(|c| c.set(std::ptr::null_mut()));
 }
 
-fn run_once(ctx: &mut VcpuContext) -> Option<ExitReason> {
+/// Re-enters KVM_RUN with `immediate_exit` set until it returns `EINTR`:
+/// KVM completes the last exit's access (a `rep` string access may exit
+/// again; those exits are served) without running guest code.
+fn complete_pending_io(ctx: &VcpuContext, fd: &mut MutexGuard<'_, VcpuFd>) -> Option<ExitReason> {
+    for _ in 0..PENDING_IO_ROUNDS {
+        fd.set_kvm_immediate_exit(1);
+        let kicks = ctx.stats.kicks.load(Ordering::Relaxed);
+        if let Some(reason) = run_once(ctx, fd) {
+            return Some(reason);
+        }
+        if ctx.stats.kicks.load(Ordering::Relaxed) != kicks {
+            return None;
+        }
+    }
+    Some(ExitReason::InternalError {
+        detail: format!(
+            "vCPU {} kept exiting while completing its last access for a pause",
+            ctx.id
+        ),
+    })
+}
+
+/// Exits served while completing an access before KVM_RUN returns `EINTR`.
+const PENDING_IO_ROUNDS: usize = 4096;
+
+fn run_once(ctx: &VcpuContext, fd: &mut VcpuFd) -> Option<ExitReason> {
     let id = ctx.id;
     let crash = |detail: String| {
         tracing::warn!(vcpu = id, %detail, "vCPU crashed");
         Some(ExitReason::Crash { vcpu: id, detail })
     };
-    match ctx.fd.run() {
+    match fd.run() {
         Ok(exit) => {
             match exit {
                 VcpuExit::IoIn(port, data) => {
@@ -198,14 +242,14 @@ fn run_once(ctx: &mut VcpuContext) -> Option<ExitReason> {
                 }
                 VcpuExit::Hlt => return crash("HLT exit with the in-kernel irqchip".into()),
                 VcpuExit::Shutdown => {
-                    let rip = ctx.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+                    let rip = fd.get_regs().map(|r| r.rip).unwrap_or(0);
                     return crash(format!("triple fault (rip {rip:#x})"));
                 }
                 VcpuExit::FailEntry(reason, cpu) => {
                     return crash(format!("VM entry failed: reason {reason:#x} on cpu {cpu}"));
                 }
                 VcpuExit::InternalError => {
-                    let rip = ctx.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+                    let rip = fd.get_regs().map(|r| r.rip).unwrap_or(0);
                     return crash(format!("KVM internal error (rip {rip:#x})"));
                 }
                 VcpuExit::SystemEvent(kind, _) => {
@@ -226,7 +270,7 @@ fn run_once(ctx: &mut VcpuContext) -> Option<ExitReason> {
             None
         }
         Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
-            ctx.fd.set_kvm_immediate_exit(0);
+            fd.set_kvm_immediate_exit(0);
             ctx.stats.kicks.fetch_add(1, Ordering::Relaxed);
             None
         }

@@ -8,7 +8,8 @@ use std::io::{self, Write};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 
-use vm_superio::serial::NoEvents;
+use serde::{Deserialize, Serialize};
+use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -196,6 +197,35 @@ impl Write for SerialOut {
     }
 }
 
+/// The UART's registers and input FIFO, for snapshots. Output is never
+/// buffered in the device: a snapshot flushes any partial line to the sink.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialSnapshot {
+    /// Divisor latch, low byte.
+    pub baud_divisor_low: u8,
+    /// Divisor latch, high byte.
+    pub baud_divisor_high: u8,
+    /// Interrupt enable register.
+    pub interrupt_enable: u8,
+    /// Interrupt identification register.
+    pub interrupt_identification: u8,
+    /// Line control register.
+    pub line_control: u8,
+    /// Line status register.
+    pub line_status: u8,
+    /// Modem control register.
+    pub modem_control: u8,
+    /// Modem status register.
+    pub modem_status: u8,
+    /// Scratch register.
+    pub scratch: u8,
+    /// Input bytes the guest has not read yet.
+    pub in_buffer: Vec<u8>,
+}
+
+/// Bytes the UART's input FIFO holds (vm-superio's `FIFO_SIZE`).
+const SERIAL_FIFO: usize = 64;
+
 /// COM1.
 pub struct SerialDevice {
     uart: Serial<IrqTrigger, NoEvents, SerialOut>,
@@ -218,6 +248,66 @@ impl SerialDevice {
     /// Queues input bytes for the guest; returns how many fit in the FIFO.
     pub fn enqueue_input(&mut self, data: &[u8]) -> usize {
         self.uart.enqueue_raw_bytes(data).unwrap_or(0)
+    }
+
+    /// The UART's state; flushes a partial output line to the sink first.
+    pub fn save_state(&mut self) -> SerialSnapshot {
+        self.flush();
+        let s = self.uart.state();
+        SerialSnapshot {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
+        }
+    }
+
+    /// Loads a saved UART state, keeping this device's interrupt line and
+    /// output; raises the interrupt if the state has one pending.
+    pub fn restore_state(&mut self, s: &SerialSnapshot) -> Result<(), String> {
+        // Checked here so that a refused state leaves the device as it was.
+        if s.in_buffer.len() > SERIAL_FIFO {
+            return Err(format!(
+                "the serial input FIFO holds {} bytes, more than {SERIAL_FIFO}",
+                s.in_buffer.len()
+            ));
+        }
+        let state = SerialState {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer.clone(),
+        };
+        let irq = self
+            .uart
+            .interrupt_evt()
+            .0
+            .try_clone()
+            .map_err(|e| format!("cannot clone the serial irqfd: {e}"))?;
+        let out = std::mem::replace(
+            self.uart.writer_mut(),
+            SerialOut::new(ConsoleRing::new(0), SerialSink::None),
+        );
+        match Serial::from_state(&state, IrqTrigger(irq), NoEvents, out) {
+            Ok(uart) => {
+                self.uart = uart;
+                Ok(())
+            }
+            // Only raising the interrupt can fail now.
+            Err(e) => Err(format!("cannot raise the serial interrupt: {e:?}")),
+        }
     }
 
     /// Flushes a partial line to the sink (at VM stop).

@@ -16,6 +16,7 @@
 //! exit latch, so the teardown runs once, in one place.
 
 mod attach;
+pub(crate) mod state;
 
 use std::fmt;
 use std::fs::OpenOptions;
@@ -174,8 +175,15 @@ impl VmBuilder {
     /// Builds the machine: KVM VM, memory, devices, ACPI, kernel, vCPUs.
     /// Nothing runs until [`Vm::start`].
     pub fn create(self) -> Result<Vm> {
-        Vm::build(self)
+        Vm::build(self, Boot::Fresh)
     }
+}
+
+/// Whether a VM boots its kernel or continues from a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Boot {
+    Fresh,
+    Restore,
 }
 
 struct Shared {
@@ -227,7 +235,7 @@ impl Shared {
 }
 
 struct Machine {
-    vcpus: Vec<kvm_ioctls::VcpuFd>,
+    vcpus: Vec<Arc<Mutex<kvm_ioctls::VcpuFd>>>,
     transports: Vec<Arc<Mutex<MmioTransport>>>,
     pio: Arc<Bus>,
     mmio: Arc<Bus>,
@@ -256,6 +264,10 @@ pub struct Vm {
     vm_fd: Arc<VmFd>,
     console: ConsoleRing,
     serial: Arc<Mutex<SerialDevice>>,
+    /// Every vCPU, locked by its thread except while parked (see `vcpu`).
+    vcpus: Vec<Arc<Mutex<kvm_ioctls::VcpuFd>>>,
+    /// Every virtio-mmio transport, in bus order.
+    transports: Vec<Arc<Mutex<MmioTransport>>>,
     vcpu_stats: Vec<Arc<VcpuStats>>,
     block_stats: Vec<Arc<BlockStats>>,
     net_stats: Vec<Arc<NetStats>>,
@@ -309,7 +321,7 @@ impl Vm {
         Vm::builder(config).create()
     }
 
-    fn build(b: VmBuilder) -> Result<Vm> {
+    fn build(b: VmBuilder, boot: Boot) -> Result<Vm> {
         let created_at = Instant::now();
         let VmBuilder {
             config,
@@ -406,6 +418,7 @@ impl Vm {
         // Disk boot reads the image through the backend the guest will use,
         // before the device takes it over.
         let disk_files = match &config.kernel.from_disk {
+            Some(_) if boot == Boot::Restore => None,
             Some(d) => match backends.get(d.disk) {
                 Some((b, _)) => Some(boot::disk::find(b.clone(), d.disk, d.partition)?),
                 None => None,
@@ -442,21 +455,28 @@ impl Vm {
             cmdline.push_str(&c);
         }
 
-        let rsdp = acpi::write(&mem, config.vcpus, &acpi_devs)?;
-        let files = match &disk_files {
-            Some(f) => boot::BootFiles::Disk(f),
-            None => boot::BootFiles::Host,
+        // A restored VM gets its memory (tables, kernel and all) and its
+        // registers from the snapshot.
+        let entry = match boot {
+            Boot::Restore => None,
+            Boot::Fresh => {
+                let rsdp = acpi::write(&mem, config.vcpus, &acpi_devs)?;
+                let files = match &disk_files {
+                    Some(f) => boot::BootFiles::Disk(f),
+                    None => boot::BootFiles::Host,
+                };
+                Some(boot::load(&mem, &config.kernel, files, cmdline.trim(), rsdp)?.entry)
+            }
         };
-        let loaded = boot::load(&mem, &config.kernel, files, cmdline.trim(), rsdp)?;
         drop(disk_files);
 
         let cpuid = x86_64::supported_cpuid(&kvm)?;
         let mut vcpus = Vec::new();
         for id in 0..config.vcpus {
             let fd = vm_fd.create_vcpu(u64::from(id)).map_err(Error::CreateVm)?;
-            let entry = (id == 0).then_some(loaded.entry);
+            let entry = if id == 0 { entry } else { None };
             x86_64::configure_vcpu(&fd, &mem, &cpuid, id, config.vcpus, entry)?;
-            vcpus.push(fd);
+            vcpus.push(Arc::new(Mutex::new(fd)));
         }
 
         let vm_fd = Arc::new(vm_fd);
@@ -472,8 +492,8 @@ impl Vm {
         });
         let vcpu_stats = (0..config.vcpus).map(|_| Arc::default()).collect();
         let machine = Machine {
-            vcpus,
-            transports,
+            vcpus: vcpus.clone(),
+            transports: transports.clone(),
             pio: Arc::new(pio),
             mmio: Arc::new(mmio),
         };
@@ -485,6 +505,8 @@ impl Vm {
             vm_fd,
             console,
             serial,
+            vcpus,
+            transports,
             vcpu_stats,
             block_stats,
             net_stats,

@@ -3,6 +3,7 @@
 //! protected mode), CPUID, MSRs, FPU and the local APIC's LINT pins.
 
 pub mod layout;
+pub mod state;
 
 use kvm_bindings::{
     CpuId, KVM_MAX_CPUID_ENTRIES, Msrs, kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment,

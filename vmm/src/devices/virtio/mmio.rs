@@ -10,12 +10,14 @@
 use std::num::Wrapping;
 use std::sync::atomic::Ordering;
 
-use virtio_queue::{Queue, QueueT};
+use serde::{Deserialize, Serialize};
+use virtio_queue::{Queue, QueueState, QueueT};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::VIRTIO_RING_F_EVENT_IDX;
 use super::{
-    DeviceFault, INT_CONFIG, INT_VRING, VIRTIO_F_VERSION_1, VirtioDevice, VirtioInterrupt,
+    DeviceFault, DeviceState, INT_CONFIG, INT_VRING, VIRTIO_F_VERSION_1, VirtioDevice,
+    VirtioInterrupt,
 };
 use crate::devices::{BusDevice, RateLimitedWarn};
 use crate::memory::GuestMemory;
@@ -43,6 +45,88 @@ pub mod status {
     pub const NEEDS_RESET: u32 = 0x40;
     /// The driver gave up.
     pub const FAILED: u32 = 0x80;
+}
+
+/// One virtqueue's configuration and position, for snapshots.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueSnapshot {
+    /// Largest size the device offers.
+    pub max_size: u16,
+    /// Size the driver chose.
+    pub size: u16,
+    /// QueueReady.
+    pub ready: bool,
+    /// Guest address of the descriptor table.
+    pub desc_table: u64,
+    /// Guest address of the available ring.
+    pub avail_ring: u64,
+    /// Guest address of the used ring.
+    pub used_ring: u64,
+    /// Next available-ring index the device will take.
+    pub next_avail: u16,
+    /// Next used-ring index the device will fill.
+    pub next_used: u16,
+    /// Whether VIRTIO_RING_F_EVENT_IDX is in use.
+    pub event_idx: bool,
+}
+
+impl From<QueueState> for QueueSnapshot {
+    fn from(q: QueueState) -> Self {
+        QueueSnapshot {
+            max_size: q.max_size,
+            size: q.size,
+            ready: q.ready,
+            desc_table: q.desc_table,
+            avail_ring: q.avail_ring,
+            used_ring: q.used_ring,
+            next_avail: q.next_avail,
+            next_used: q.next_used,
+            event_idx: q.event_idx_enabled,
+        }
+    }
+}
+
+impl From<&QueueSnapshot> for QueueState {
+    fn from(q: &QueueSnapshot) -> Self {
+        QueueState {
+            max_size: q.max_size,
+            next_avail: q.next_avail,
+            next_used: q.next_used,
+            event_idx_enabled: q.event_idx,
+            size: q.size,
+            ready: q.ready,
+            desc_table: q.desc_table,
+            avail_ring: q.avail_ring,
+            used_ring: q.used_ring,
+        }
+    }
+}
+
+/// A virtio-mmio device's transport registers, queues and device state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransportState {
+    /// Device name (`virtio-blk0`, `virtio-net0`, ...).
+    pub name: String,
+    /// virtio device id.
+    pub device_type: u32,
+    /// DeviceFeaturesSel.
+    pub device_features_sel: u32,
+    /// DriverFeaturesSel.
+    pub driver_features_sel: u32,
+    /// Features the driver wrote.
+    pub acked_features: u64,
+    /// QueueSel.
+    pub queue_sel: u32,
+    /// Status.
+    pub status: u32,
+    /// ConfigGeneration.
+    pub config_generation: u32,
+    /// InterruptStatus.
+    pub interrupt_status: u32,
+    /// Every queue, in order.
+    pub queues: Vec<QueueSnapshot>,
+    /// The device model's own state.
+    pub device: DeviceState,
 }
 
 /// A virtio device behind a virtio-mmio register window.
@@ -122,6 +206,137 @@ impl MmioTransport {
     /// Current device status register.
     pub fn status(&self) -> u32 {
         self.status
+    }
+
+    /// The device name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The virtio device id.
+    pub fn device_type(&self) -> u32 {
+        self.device.device_type()
+    }
+
+    fn live(&self) -> bool {
+        self.status & status::DRIVER_OK != 0 && self.status & status::NEEDS_RESET == 0
+    }
+
+    /// Completes the device's requests in flight onto the used rings (and
+    /// interrupts the driver if it wants to hear about them), so the
+    /// state is entirely in registers, rings and [`TransportState`].
+    /// Called with the VM paused.
+    pub fn quiesce(&mut self) {
+        if !self.live() {
+            return;
+        }
+        match self.device.quiesce(&mut self.queues, &self.mem) {
+            Ok(false) => {}
+            Ok(true) => {
+                let mut notify = false;
+                for q in self.queues.iter_mut().filter(|q| q.ready()) {
+                    notify |= q.needs_notification(&self.mem).unwrap_or(true);
+                }
+                if notify {
+                    self.interrupt.trigger(INT_VRING);
+                }
+            }
+            Err(e) => self.fault(&e),
+        }
+    }
+
+    /// The transport's and device's state (call [`MmioTransport::quiesce`] first).
+    pub fn save_state(&self) -> Result<TransportState, DeviceFault> {
+        Ok(TransportState {
+            name: self.name.clone(),
+            device_type: self.device.device_type(),
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            acked_features: self.acked_features,
+            queue_sel: self.queue_sel,
+            status: self.status,
+            config_generation: self.config_generation,
+            interrupt_status: self.interrupt.status(),
+            queues: self.queues.iter().map(|q| q.state().into()).collect(),
+            device: self.device.save_state()?,
+        })
+    }
+
+    /// Loads `state` into a freshly built transport of the same device.
+    /// Nothing runs: [`MmioTransport::wake_after_restore`] does, once the
+    /// interrupt controllers are loaded too.
+    pub fn restore_state(&mut self, state: &TransportState) -> Result<(), DeviceFault> {
+        if state.name != self.name || state.device_type != self.device.device_type() {
+            return Err(DeviceFault(format!(
+                "the snapshot has device {} (type {}) here, the config {} (type {})",
+                state.name,
+                state.device_type,
+                self.name,
+                self.device.device_type()
+            )));
+        }
+        if state.queues.len() != self.queues.len() {
+            return Err(DeviceFault(format!(
+                "the snapshot's {} has {} queue(s), the config's {}",
+                state.name,
+                state.queues.len(),
+                self.queues.len()
+            )));
+        }
+        let mut queues = Vec::with_capacity(self.queues.len());
+        for (i, (saved, q)) in state.queues.iter().zip(&self.queues).enumerate() {
+            if saved.max_size != q.max_size() {
+                return Err(DeviceFault(format!(
+                    "queue {i}: the snapshot's maximum size is {}, the device's {}",
+                    saved.max_size,
+                    q.max_size()
+                )));
+            }
+            let restored = Queue::try_from(QueueState::from(saved))
+                .map_err(|e| DeviceFault(format!("queue {i}: {e:?}")))?;
+            if restored.ready() && !restored.is_valid(&self.mem) {
+                return Err(DeviceFault(format!(
+                    "queue {i}: its rings are not inside guest memory"
+                )));
+            }
+            queues.push(restored);
+        }
+        if state.acked_features & !self.device.features() != 0 {
+            return Err(DeviceFault(format!(
+                "the snapshot's driver accepted features {:#x} the device does not offer",
+                state.acked_features
+            )));
+        }
+        self.device.restore_state(&state.device)?;
+        self.queues = queues;
+        self.device_features_sel = state.device_features_sel;
+        self.driver_features_sel = state.driver_features_sel;
+        self.acked_features = state.acked_features;
+        self.queue_sel = state.queue_sel;
+        self.status = state.status;
+        self.config_generation = state.config_generation;
+        self.interrupt.set_status(state.interrupt_status);
+        if self.live() {
+            self.device.activate(self.acked_features);
+        }
+        Ok(())
+    }
+
+    /// After a restore: raises the interrupt if one was pending and makes
+    /// the device thread look at every ready queue once (a notification
+    /// the guest sent while the source was pausing is in no eventfd here).
+    pub fn wake_after_restore(&self) {
+        if !self.live() {
+            return;
+        }
+        if self.interrupt.status() != 0 {
+            self.interrupt.trigger(0);
+        }
+        for (q, evt) in self.queues.iter().zip(&self.queue_evts) {
+            if q.ready() {
+                let _ = evt.write(1);
+            }
+        }
     }
 
     fn bad_access(&mut self, what: &str, offset: u64, len: usize) {

@@ -10,6 +10,7 @@ pub mod test_utils;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use serde::{Deserialize, Serialize};
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -40,6 +41,40 @@ pub fn read_config_space(config: &[u8], offset: u64, data: &mut [u8]) {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct DeviceFault(pub String);
+
+/// What a device model keeps between requests, for snapshots. Requests in
+/// flight are not part of it: [`VirtioDevice::quiesce`] completes them first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+#[non_exhaustive]
+pub enum DeviceState {
+    /// A device that keeps nothing.
+    Stateless,
+    /// virtio-blk: the disk's identity as the guest saw it. The data lives
+    /// in the backend, which the restored VM re-attaches.
+    Block {
+        /// Capacity in 512-byte sectors.
+        sectors: u64,
+        /// Whether the disk is read-only.
+        read_only: bool,
+        /// Feature bits offered.
+        features: u64,
+        /// Request queues.
+        queues: u16,
+    },
+    /// virtio-net.
+    Net {
+        /// The card's MAC address.
+        mac: [u8; 6],
+        /// Feature bits offered.
+        features: u64,
+        /// Feature bits the driver accepted.
+        acked: u64,
+        /// A received frame (vnet header included) no guest buffer has
+        /// taken yet.
+        pending_frame: Option<Vec<u8>>,
+    },
+}
 
 /// A virtio device model, independent of the transport.
 pub trait VirtioDevice: Send {
@@ -90,6 +125,29 @@ pub trait VirtioDevice: Send {
     fn event_sources(&self) -> Vec<(std::os::fd::RawFd, usize)> {
         Vec::new()
     }
+    /// Completes every request in flight (waiting for the backend) and
+    /// puts the completions on `queues`' used rings, so that nothing is
+    /// left outside guest memory and [`VirtioDevice::save_state`]. Returns
+    /// whether used buffers were added. Called with the VM paused.
+    fn quiesce(&mut self, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, DeviceFault> {
+        let _ = (queues, mem);
+        Ok(false)
+    }
+    /// The device's own state (after [`VirtioDevice::quiesce`]).
+    fn save_state(&self) -> Result<DeviceState, DeviceFault> {
+        Ok(DeviceState::Stateless)
+    }
+    /// Loads a saved state into a device built from the same config.
+    /// Refuses a state that does not describe this device (another
+    /// kind, size or address).
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceFault> {
+        match state {
+            DeviceState::Stateless => Ok(()),
+            other => Err(DeviceFault(format!(
+                "a stateless device cannot load {other:?}"
+            ))),
+        }
+    }
 }
 
 /// The interrupt line of one virtio-mmio device: the `InterruptStatus`
@@ -120,6 +178,11 @@ impl VirtioInterrupt {
     /// Current InterruptStatus.
     pub fn status(&self) -> u32 {
         self.status.load(Ordering::SeqCst)
+    }
+
+    /// Sets InterruptStatus to `bits` without raising the line (restore).
+    pub fn set_status(&self, bits: u32) {
+        self.status.store(bits, Ordering::SeqCst);
     }
 
     /// Clears acknowledged bits.

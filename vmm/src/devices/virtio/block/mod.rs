@@ -22,7 +22,7 @@ use self::backend::{BlockBackend, SECTOR_SIZE};
 use self::request::{DiskInfo, MAX_DISCARD_SEG, MAX_SEGMENTS, RequestType, Segment};
 pub use self::seam::{AsyncBlockBackend, Completion, SyncAdapter, ThreadPoolBackend};
 pub use self::uring::IoUringBackend;
-use super::{DeviceFault, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VirtioDevice};
+use super::{DeviceFault, DeviceState, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VirtioDevice};
 use crate::memory::GuestMemory;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -354,6 +354,90 @@ impl VirtioDevice for VirtioBlock {
             }
         }
         Ok(self.complete_ready(index, queue, mem)? || used)
+    }
+
+    fn quiesce(&mut self, queues: &mut [Queue], mem: &GuestMemory) -> Result<bool, DeviceFault> {
+        if self.in_flight.is_empty() {
+            return Ok(false);
+        }
+        // Wait for the backend, then complete every request on its own
+        // queue: the first pass hands completions to their queues' stashes,
+        // each queue's pass puts its own on the used ring.
+        let mut done = Vec::new();
+        self.backend.drain(&mut done);
+        self.reaped.append(&mut done);
+        let mut used = false;
+        for (i, q) in queues.iter_mut().enumerate() {
+            used |= self.complete_ready(i, q, mem)?;
+        }
+        if !self.in_flight.is_empty() {
+            return Err(DeviceFault(format!(
+                "{} request(s) still in flight after draining the backend",
+                self.in_flight.len()
+            )));
+        }
+        Ok(used)
+    }
+
+    fn save_state(&self) -> Result<DeviceState, DeviceFault> {
+        if !self.in_flight.is_empty() {
+            return Err(DeviceFault(format!(
+                "cannot save a virtio-blk device with {} request(s) in flight",
+                self.in_flight.len()
+            )));
+        }
+        Ok(DeviceState::Block {
+            sectors: self.disk.sectors,
+            read_only: self.disk.read_only,
+            features: self.features,
+            queues: self.queue_sizes.len() as u16,
+        })
+    }
+
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceFault> {
+        let DeviceState::Block {
+            sectors,
+            read_only,
+            features,
+            queues,
+        } = state
+        else {
+            return Err(DeviceFault(format!(
+                "a virtio-blk device cannot load {state:?}"
+            )));
+        };
+        let mine = self.queue_sizes.len() as u16;
+        let mismatch = if *sectors != self.disk.sectors {
+            Some(format!(
+                "the snapshot's disk has {sectors} sectors, this backend {}",
+                self.disk.sectors
+            ))
+        } else if *read_only != self.disk.read_only {
+            Some(format!(
+                "the snapshot's disk is {}, this backend {}",
+                if *read_only { "read-only" } else { "writable" },
+                if self.disk.read_only {
+                    "read-only"
+                } else {
+                    "writable"
+                }
+            ))
+        } else if *queues != mine {
+            Some(format!(
+                "the snapshot's disk has {queues} queue(s), this one {mine}"
+            ))
+        } else if *features != self.features {
+            Some(format!(
+                "the snapshot's disk offered features {features:#x}, this backend {:#x}",
+                self.features
+            ))
+        } else {
+            None
+        };
+        match mismatch {
+            Some(m) => Err(DeviceFault(m)),
+            None => Ok(()),
+        }
     }
 
     fn reset(&mut self) {

@@ -29,7 +29,7 @@ use vmm_sys_util::eventfd::EventFd;
 pub use self::backend::{
     DgramBackend, MAX_FRAME, NetBackend, TapBackend, VNET_HDR_LEN, check_tap_name, offload,
 };
-use super::{DeviceFault, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VirtioDevice};
+use super::{DeviceFault, DeviceState, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VirtioDevice};
 use crate::memory::GuestMemory;
 
 /// virtio device id of a network card.
@@ -501,5 +501,64 @@ impl VirtioDevice for VirtioNet {
 
     fn event_sources(&self) -> Vec<(std::os::fd::RawFd, usize)> {
         vec![(self.backend.rx_fd(), RX_QUEUE)]
+    }
+
+    fn save_state(&self) -> Result<DeviceState, DeviceFault> {
+        Ok(DeviceState::Net {
+            mac: self.mac.0,
+            features: self.features,
+            acked: self.acked,
+            pending_frame: self
+                .pending
+                .map(|n| self.rx_buf.get(..n).unwrap_or_default().to_vec()),
+        })
+    }
+
+    fn restore_state(&mut self, state: &DeviceState) -> Result<(), DeviceFault> {
+        let DeviceState::Net {
+            mac,
+            features,
+            acked,
+            pending_frame,
+        } = state
+        else {
+            return Err(DeviceFault(format!(
+                "a virtio-net card cannot load {state:?}"
+            )));
+        };
+        if *mac != self.mac.0 {
+            return Err(DeviceFault(format!(
+                "the snapshot's card has MAC {}, this one {}",
+                MacAddr(*mac),
+                self.mac
+            )));
+        }
+        if *features != self.features {
+            return Err(DeviceFault(format!(
+                "the snapshot's card offered features {features:#x}, this backend {:#x}",
+                self.features
+            )));
+        }
+        if acked & !self.features != 0 {
+            return Err(DeviceFault(format!(
+                "the snapshot's driver accepted features {acked:#x} the card does not offer"
+            )));
+        }
+        self.pending = match pending_frame {
+            Some(f) if f.len() > self.rx_buf.len() => {
+                return Err(DeviceFault(format!(
+                    "the snapshot's pending frame has {} bytes, more than {}",
+                    f.len(),
+                    self.rx_buf.len()
+                )));
+            }
+            Some(f) => {
+                self.rx_buf[..f.len()].copy_from_slice(f);
+                Some(f.len())
+            }
+            None => None,
+        };
+        self.acked = *acked;
+        Ok(())
     }
 }

@@ -90,10 +90,8 @@ fn paused_guest_continues_after_restore_twice() {
         let out = String::from_utf8_lossy(&vm.console().contents()).into_owned();
         if round == 0 {
             vm.save_to_dir(dir.path()).unwrap();
-            all.push_str(&out);
-        } else {
-            all.push_str(&out);
         }
+        all.push_str(&out);
         drop(vm);
     }
     let seq = acks(&all);
@@ -123,7 +121,6 @@ fn restore_refuses_mismatched_config_and_bad_images() {
         return;
     }
     let disk = Arc::new(MemBackend::new(4 << 20, "snap-disk"));
-    let dir = tempfile::tempdir().unwrap();
     let vm = Vm::builder(config(1))
         .disk_backend(disk.clone())
         .create()

@@ -447,11 +447,8 @@ fn sent_rv(obj: &Value) -> Option<u64> {
 impl Store for EtcdStore {
     async fn create(&self, kind: &GroupKind, namespace: &str, obj: Value) -> StoreResult<Value> {
         let core = self.0.core.clone();
-        self.commit(
-            || core.prepare_create(kind, namespace, obj.clone()),
-            set_rv,
-        )
-        .await
+        self.commit(|| core.prepare_create(kind, namespace, obj.clone()), set_rv)
+            .await
     }
 
     async fn get(&self, kind: &GroupKind, namespace: &str, name: &str) -> StoreResult<Value> {

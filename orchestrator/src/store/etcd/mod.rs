@@ -145,6 +145,14 @@ impl EtcdStore {
         self.0.core.unreadable()
     }
 
+    /// The etcd prefix of a kind's objects (in one namespace).
+    fn kind_prefix(&self, gk: &GroupKind, ns: Option<&str>) -> String {
+        match ns {
+            Some(ns) => format!("{}{}/{}/{}/", self.0.cfg.prefix, gk.group, gk.kind, ns),
+            None => format!("{}{}/{}/", self.0.cfg.prefix, gk.group, gk.kind),
+        }
+    }
+
     fn key(&self, k: &ObjKey) -> String {
         format!("{}{}/{}/{}/{}", self.0.cfg.prefix, k.0, k.1, k.2, k.3)
     }
@@ -259,10 +267,7 @@ impl EtcdStore {
         gk: &GroupKind,
         ns: Option<&str>,
     ) -> StoreResult<(BTreeMap<ObjKey, Arc<Value>>, u64)> {
-        let prefix = match ns {
-            Some(ns) => format!("{}{}/{}/{}/", self.0.cfg.prefix, gk.group, gk.kind, ns),
-            None => format!("{}{}/{}/", self.0.cfg.prefix, gk.group, gk.kind),
-        };
+        let prefix = self.kind_prefix(gk, ns);
         let mut kv = self.0.kv.clone();
         let resp = self
             .call(kv.get(prefix, Some(GetOptions::new().with_prefix())))
@@ -280,14 +285,7 @@ impl EtcdStore {
 
 /// Decodes one etcd entry (its version set); `None` when it is not ours or unreadable.
 fn decode(prefix: &str, kv: &KeyValue) -> Option<(ObjKey, Value)> {
-    let key = std::str::from_utf8(kv.key()).ok()?.strip_prefix(prefix)?;
-    let mut it = key.splitn(4, '/');
-    let k: ObjKey = (
-        it.next()?.to_string(),
-        it.next()?.to_string(),
-        it.next()?.to_string(),
-        it.next()?.to_string(),
-    );
+    let k = object_key(prefix, kv)?;
     let mut v: Value = serde_json::from_slice(kv.value()).ok()?;
     if !v.is_object() {
         return None;
@@ -410,7 +408,7 @@ async fn follow(
                     }
                 },
                 EtcdEvent::Delete => {
-                    let Some(key) = delete_key(&cfg.prefix, kv) else {
+                    let Some(key) = object_key(&cfg.prefix, kv) else {
                         continue;
                     };
                     let last = ev
@@ -426,8 +424,8 @@ async fn follow(
     Ok(false)
 }
 
-/// The object key of a deleted etcd key.
-fn delete_key(prefix: &str, kv: &KeyValue) -> Option<ObjKey> {
+/// The object key of an etcd key under `prefix`.
+fn object_key(prefix: &str, kv: &KeyValue) -> Option<ObjKey> {
     let key = std::str::from_utf8(kv.key()).ok()?.strip_prefix(prefix)?;
     let mut it = key.splitn(4, '/');
     Some((
@@ -436,11 +434,6 @@ fn delete_key(prefix: &str, kv: &KeyValue) -> Option<ObjKey> {
         it.next()?.to_string(),
         it.next()?.to_string(),
     ))
-}
-
-/// The resourceVersion a client sent with an object, if any.
-fn sent_rv(obj: &Value) -> Option<u64> {
-    rv_of(obj)
 }
 
 #[async_trait]
@@ -472,7 +465,7 @@ impl Store for EtcdStore {
         obj: Value,
         scope: UpdateScope,
     ) -> StoreResult<Value> {
-        self.catch_up(sent_rv(&obj)).await;
+        self.catch_up(rv_of(&obj)).await;
         let core = self.0.core.clone();
         self.commit(
             || core.prepare_update(kind, namespace, obj.clone(), scope),
@@ -546,10 +539,7 @@ impl EtcdStore {
         rv: u64,
     ) -> StoreResult<WatchStream> {
         let filter = Arc::new(watch_filter(gk, ns, opts));
-        let prefix = match ns {
-            Some(ns) => format!("{}{}/{}/{}/", self.0.cfg.prefix, gk.group, gk.kind, ns),
-            None => format!("{}{}/{}/", self.0.cfg.prefix, gk.group, gk.kind),
-        };
+        let prefix = self.kind_prefix(gk, ns);
         let mut wc = self
             .0
             .client

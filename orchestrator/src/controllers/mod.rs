@@ -22,9 +22,12 @@
 //! with a deduplicating [`queue::WorkQueue`] and per-key backoff. They only
 //! use the [`Store`] trait, so they run unchanged against a Kubernetes API
 //! server once a kube-rs `Store` exists. Start them all with
-//! [`ControlPlane::start`].
+//! [`ControlPlane::start`]. With [`ControlPlaneConfig::leader_election`]
+//! set, several control planes share one store: all serve the API, and the
+//! one holding the [`leader`] Lease runs the controllers.
 
 pub mod fence;
+pub mod leader;
 pub mod migration;
 pub mod node;
 pub mod placement;
@@ -41,6 +44,8 @@ use std::time::Duration;
 use sheaf_blockrepl::net::Secret;
 
 use self::fence::{BlockreplFencer, Fencer};
+use self::leader::StartLeading;
+pub use self::leader::{LeaderElection, LeaderElectionConfig};
 use self::queue::Backoff;
 use self::runner::{Controller, ControllerBuilder, map_owner};
 use crate::api::{ApiServer, ApiServerConfig, ApiServerError, RunningApiServer};
@@ -101,6 +106,10 @@ pub struct ControlPlaneConfig {
     pub replication_secret: Option<Secret>,
     /// Also serve the Kubernetes-compatible API.
     pub api: Option<ApiServerConfig>,
+    /// Run the controllers only while this control plane holds the
+    /// election's Lease (several control planes on one store). `None`: run
+    /// them at once (the only control plane of its store).
+    pub leader_election: Option<LeaderElectionConfig>,
 }
 
 impl Default for ControlPlaneConfig {
@@ -118,6 +127,7 @@ impl Default for ControlPlaneConfig {
             fence_timeout: Duration::from_secs(10),
             replication_secret: None,
             api: None,
+            leader_election: None,
         }
     }
 }
@@ -128,6 +138,9 @@ pub enum ControlPlaneError {
     /// The API server did not start.
     #[error("API server: {0}")]
     Api(#[from] ApiServerError),
+    /// The leader election settings are unusable.
+    #[error("leader election: {0}")]
+    LeaderElection(String),
 }
 
 /// What every controller shares.
@@ -147,8 +160,9 @@ pub struct Ctx {
 /// A running control plane: the controllers (and optionally the API server).
 #[derive(Debug)]
 pub struct ControlPlane {
-    ctx: Arc<Ctx>,
+    store: Arc<dyn Store>,
     controllers: Vec<Controller>,
+    election: Option<LeaderElection>,
     api: Option<RunningApiServer>,
 }
 
@@ -177,67 +191,67 @@ impl ControlPlane {
         store: Arc<dyn Store>,
         fencer: Option<Arc<dyn Fencer>>,
     ) -> Result<ControlPlane, ControlPlaneError> {
+        if let Some(le) = &config.leader_election {
+            le.validate().map_err(ControlPlaneError::LeaderElection)?;
+        }
         let api = match &config.api {
             Some(c) => Some(ApiServer::start(c.clone(), store.clone()).await?),
             None => None,
         };
-        let ctx = Arc::new(Ctx {
-            store: store.clone(),
-            config: config.clone(),
-            fencer,
-            scheduler: tokio::sync::Mutex::new(sheaf_sched::Scheduler::new()),
-        });
-        let b = |name: &'static str, kind: GroupKind| {
-            ControllerBuilder::new(name, store.clone(), kind)
-                .resync(config.resync_period)
-                .workers(config.workers)
-                .backoff(config.backoff)
+        let election = match config.leader_election.clone() {
+            Some(le) => {
+                let (cfg, st, fencer) = (config.clone(), store.clone(), fencer.clone());
+                let start: StartLeading = Arc::new(move || {
+                    let controllers = spawn_controllers(&cfg, &st, fencer.clone());
+                    Box::new(move || {
+                        for c in controllers {
+                            c.abort();
+                        }
+                    })
+                });
+                match LeaderElection::spawn(store.clone(), le, start) {
+                    Ok(e) => Some(e),
+                    Err(e) => {
+                        if let Some(api) = api {
+                            api.shutdown().await;
+                        }
+                        return Err(ControlPlaneError::LeaderElection(e));
+                    }
+                }
+            }
+            None => None,
         };
-        let mut controllers = Vec::new();
-        controllers.push(
-            b("vm", gk::<VirtualMachine>())
-                .watches(gk::<VirtualMachineInstance>(), map_owner("VirtualMachine"))
-                .watches(gk::<Volume>(), map_owner("VirtualMachine"))
-                .spawn(Arc::new(vm::VmController::new(ctx.clone()))),
+        let controllers = if election.is_some() {
+            Vec::new()
+        } else {
+            spawn_controllers(&config, &store, fencer)
+        };
+        tracing::info!(
+            controllers = controllers.len(),
+            leader_election = election.is_some(),
+            "control plane started"
         );
-        // Node changes (capacity, Ready again) may make unschedulable VMIs fit.
-        let vmi_rec = Arc::new(vmi::VmiController::new(ctx.clone()));
-        controllers.push(
-            b("vmi", gk::<VirtualMachineInstance>())
-                .watches(gk::<Volume>(), vmi_rec.volume_mapper())
-                .watches(gk::<Node>(), vmi_rec.node_mapper())
-                .spawn(vmi_rec),
-        );
-        let vol_rec = Arc::new(volume::VolumeController::new(ctx.clone()));
-        controllers.push(
-            b("volume", gk::<Volume>())
-                .watches(gk::<Node>(), vol_rec.node_mapper())
-                .watches(gk::<VirtualMachineInstance>(), volume::vmi_to_volumes())
-                .spawn(vol_rec),
-        );
-        let node_ctl = Arc::new(node::NodeLifecycleController::new(ctx.clone()));
-        controllers.push(
-            b("node-lifecycle", gk::<Node>())
-                .map_primary(node_ctl.observer())
-                .spawn(node_ctl),
-        );
-        let mig_rec = Arc::new(migration::MigrationController::new(ctx.clone()));
-        controllers.push(
-            b("migration", gk::<VirtualMachineInstanceMigration>())
-                .watches(gk::<VirtualMachineInstance>(), mig_rec.vmi_mapper())
-                .spawn(mig_rec),
-        );
-        tracing::info!(controllers = controllers.len(), "control plane started");
         Ok(ControlPlane {
-            ctx,
+            store,
             controllers,
+            election,
             api,
         })
     }
 
+    /// The leader election, when the controllers run under one.
+    pub fn election(&self) -> Option<&LeaderElection> {
+        self.election.as_ref()
+    }
+
+    /// Whether this control plane runs the controllers now.
+    pub fn is_leader(&self) -> bool {
+        self.election.as_ref().is_none_or(LeaderElection::is_leader)
+    }
+
     /// The store.
     pub fn store(&self) -> &Arc<dyn Store> {
-        &self.ctx.store
+        &self.store
     }
 
     /// The API server, if one was started.
@@ -245,13 +259,73 @@ impl ControlPlane {
         self.api.as_ref()
     }
 
-    /// Stops the controllers and the API server.
+    /// Stops the controllers (releasing the leader Lease, if held) and the
+    /// API server.
     pub async fn shutdown(mut self) {
         for c in self.controllers.drain(..) {
             c.abort();
+        }
+        if let Some(e) = self.election.take() {
+            e.shutdown().await;
         }
         if let Some(api) = self.api.take() {
             api.shutdown().await;
         }
     }
+}
+
+/// Every controller, on a fresh [`Ctx`] (and a fresh scheduler: a new
+/// leader rebuilds its view from the store).
+fn spawn_controllers(
+    config: &ControlPlaneConfig,
+    store: &Arc<dyn Store>,
+    fencer: Option<Arc<dyn Fencer>>,
+) -> Vec<Controller> {
+    let ctx = Arc::new(Ctx {
+        store: store.clone(),
+        config: config.clone(),
+        fencer,
+        scheduler: tokio::sync::Mutex::new(sheaf_sched::Scheduler::new()),
+    });
+    let b = |name: &'static str, kind: GroupKind| {
+        ControllerBuilder::new(name, store.clone(), kind)
+            .resync(config.resync_period)
+            .workers(config.workers)
+            .backoff(config.backoff)
+    };
+    let mut controllers = Vec::new();
+    controllers.push(
+        b("vm", gk::<VirtualMachine>())
+            .watches(gk::<VirtualMachineInstance>(), map_owner("VirtualMachine"))
+            .watches(gk::<Volume>(), map_owner("VirtualMachine"))
+            .spawn(Arc::new(vm::VmController::new(ctx.clone()))),
+    );
+    // Node changes (capacity, Ready again) may make unschedulable VMIs fit.
+    let vmi_rec = Arc::new(vmi::VmiController::new(ctx.clone()));
+    controllers.push(
+        b("vmi", gk::<VirtualMachineInstance>())
+            .watches(gk::<Volume>(), vmi_rec.volume_mapper())
+            .watches(gk::<Node>(), vmi_rec.node_mapper())
+            .spawn(vmi_rec),
+    );
+    let vol_rec = Arc::new(volume::VolumeController::new(ctx.clone()));
+    controllers.push(
+        b("volume", gk::<Volume>())
+            .watches(gk::<Node>(), vol_rec.node_mapper())
+            .watches(gk::<VirtualMachineInstance>(), volume::vmi_to_volumes())
+            .spawn(vol_rec),
+    );
+    let node_ctl = Arc::new(node::NodeLifecycleController::new(ctx.clone()));
+    controllers.push(
+        b("node-lifecycle", gk::<Node>())
+            .map_primary(node_ctl.observer())
+            .spawn(node_ctl),
+    );
+    let mig_rec = Arc::new(migration::MigrationController::new(ctx.clone()));
+    controllers.push(
+        b("migration", gk::<VirtualMachineInstanceMigration>())
+            .watches(gk::<VirtualMachineInstance>(), mig_rec.vmi_mapper())
+            .spawn(mig_rec),
+    );
+    controllers
 }

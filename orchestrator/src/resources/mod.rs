@@ -6,6 +6,7 @@
 //!   ├─ VirtualMachine        (vm)        ├─ Volume  (svol)     └─ Namespace
 //!   ├─ VirtualMachineInstance (vmi)      └─ Node    (snode, cluster-scoped)
 //!   └─ VirtualMachineInstanceMigration (vmim)                  └─ Secret
+//!   coordination.k8s.io/v1: Lease (leader election)
 //! ```
 //!
 //! Every kind is a plain serde struct with a k8s-openapi [`ObjectMeta`] and a
@@ -18,6 +19,7 @@
 //! The supported field subset is listed in `docs/orchestrator.md`.
 
 pub mod common;
+pub mod coordination;
 pub mod decode;
 pub mod kubevirt;
 pub mod quantity;

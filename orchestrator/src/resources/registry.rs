@@ -154,7 +154,8 @@ pub struct Registry {
 }
 
 impl Default for Registry {
-    /// KubeVirt's three kinds, sheaf's Volume and Node, core Namespace and Secret.
+    /// KubeVirt's three kinds, sheaf's Volume and Node, core Namespace and
+    /// Secret, and coordination.k8s.io Lease.
     fn default() -> Self {
         Self {
             kinds: vec![
@@ -165,6 +166,7 @@ impl Default for Registry {
                 KindInfo::of::<Node>(),
                 KindInfo::of::<Namespace>(),
                 KindInfo::of::<Secret>(),
+                KindInfo::of::<k8s_openapi::api::coordination::v1::Lease>(),
             ],
         }
     }

@@ -28,9 +28,13 @@ use sheaf_orchestrator::resources::Node;
 use sheaf_orchestrator::store::{ListOptions, Store, StoreExt};
 use tokio::sync::Mutex;
 
+use std::io::Write as _;
+
+use crate::client::ApiClient;
 use crate::metrics::Metrics;
 use crate::netns::{NetnsError, NetnsNodes, Network};
 use crate::server::{ClusterState, routes};
+use crate::status::{Snapshot, render};
 
 /// Options of `sheaf cluster up`.
 #[derive(Debug, Clone)]
@@ -577,4 +581,93 @@ pub async fn wait_for_signal() -> std::io::Result<&'static str> {
         _ = int.recv() => "SIGINT",
         _ = hup.recv() => "SIGHUP",
     })
+}
+
+/// `sheaf cluster up`: starts the cluster, prints where it is and what runs,
+/// and stops it on SIGINT/SIGTERM, checking no child process is left.
+pub async fn run_foreground(opts: UpOptions) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    println!(
+        "Starting sheaf: control plane + {} node{} (data in {})",
+        opts.nodes,
+        if opts.nodes == 1 { "" } else { "s" },
+        opts.data_dir.display()
+    );
+    let running = start(&opts).await?;
+    let kubeconfig = running.api.kubeconfig.clone();
+    println!(
+        "Cluster up in {:.1} s. API server {}",
+        t0.elapsed().as_secs_f64(),
+        running.api.url
+    );
+    println!("kubeconfig: {}", kubeconfig.display());
+    println!("  export KUBECONFIG={}", kubeconfig.display());
+    if let Some(n) = running.cluster.lock().await.netns() {
+        let net = n.network();
+        let nodes: Vec<String> = net
+            .nodes
+            .iter()
+            .map(|x| format!("{} {} ({})", x.name, x.addr, x.netns))
+            .collect();
+        println!(
+            "Node namespaces on bridge {} {}/24: {}",
+            net.bridge,
+            net.gateway,
+            nodes.join(", ")
+        );
+    }
+    let client = ApiClient::from_kubeconfig(&kubeconfig)?;
+    let snap = Snapshot::fetch(&client).await?;
+    println!();
+    print!("{}", render(&snap));
+    println!();
+    println!(
+        "Logs: {}. Metrics: {}/metrics. Ctrl-C stops the cluster.",
+        opts.data_dir.join("cluster.log").display(),
+        running.api.url
+    );
+    let _ = std::io::stdout().flush();
+    let sig = wait_for_signal().await?;
+    println!("\n{sig}: stopping the cluster...");
+    let netns = opts.netns;
+    let net_left = running.shutdown().await;
+    // Every launcher and replica process got SIGKILL; reap and count.
+    let left = wait_children_gone(Duration::from_secs(5));
+    if left.is_empty() {
+        println!("Stopped; no sheaf process left running.");
+    } else {
+        println!("Stopped; processes still exiting: {left:?}");
+    }
+    if netns {
+        if net_left.is_empty() {
+            println!("Node network namespaces, veth pairs and the bridge removed.");
+        } else {
+            println!("Could not remove: {}", net_left.join("; "));
+        }
+    }
+    Ok(())
+}
+
+/// Child processes of this process that are still alive after `limit`.
+fn wait_children_gone(limit: Duration) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let t0 = Instant::now();
+    loop {
+        let mut left = Vec::new();
+        for (pid, state, ppid) in proc_children() {
+            if ppid != me {
+                continue;
+            }
+            if state == "Z" {
+                // SAFETY: reaping our own exited child; no memory is touched.
+                unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+            } else {
+                left.push(pid);
+            }
+        }
+        if left.is_empty() || t0.elapsed() > limit {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

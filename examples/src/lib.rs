@@ -11,6 +11,8 @@
 //!   qemu_img  confined qemu-img runs; qcow2 with backing/data files refused
 //!   client    HTTPS client configured from a kubeconfig
 //!   commands  the client side of `sheaf` commands (verbs, console, import upload)
+//!   node_cmds `sheaf node drain|uncordon|kill|restart`
+//!   control_plane `sheaf control-plane up`: one HA control plane on etcd (leader-elected controllers)
 //!   status    `sheaf status` tables
 //!   sources   fills Volumes from `spec.source` (file, http(s) URL, clone of a Volume)
 //!   clone     Volume clones (full copy)
@@ -22,10 +24,12 @@ pub mod client;
 pub mod clone;
 pub mod cluster;
 pub mod commands;
+pub mod control_plane;
 pub mod download;
 pub mod image;
 pub mod metrics;
 pub mod netns;
+pub mod node_cmds;
 pub mod qemu_img;
 pub mod server;
 pub mod sources;

@@ -386,7 +386,10 @@ async fn discovery_and_openapi() {
         .iter()
         .map(|g| g["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, vec!["kubevirt.io", "sheaf.dev"]);
+    assert_eq!(
+        names,
+        vec!["kubevirt.io", "sheaf.dev", "coordination.k8s.io"]
+    );
     let index = c.get("/openapi/v3").await.json();
     let url = index["paths"]["apis/kubevirt.io/v1"]["serverRelativeURL"]
         .as_str()

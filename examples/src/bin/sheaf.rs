@@ -12,7 +12,6 @@
 //! The binary is also the launcher its nodes start (`sheaf vm --spec F`,
 //! `sheaf replica ...`, the same interface as `sheaf-launcher`).
 
-use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -21,11 +20,12 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use serde_json::json;
 use sheaf_examples::client::ApiClient;
-use sheaf_examples::cluster::{UpOptions, proc_children, start, wait_for_signal};
+use sheaf_examples::cluster::{UpOptions, run_foreground, wait_for_signal};
 use sheaf_examples::commands::{
     console, image_import, kv, vm_verb, vmi_node, vmi_verb, wait_moved,
 };
 use sheaf_examples::image::write_probe_disk;
+use sheaf_examples::node_cmds::{node_drain, node_kill, node_restart, node_uncordon};
 use sheaf_examples::status::{Snapshot, render};
 use sheaf_orchestrator::agent::{NodeAgent, NodeAgentConfig};
 use sheaf_orchestrator::kube::KubeStore;
@@ -415,7 +415,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 launcher_bin: std::env::current_exe().context("locating the sheaf binary")?,
                 image_dirs: image_dir,
             };
-            tokio::runtime::Runtime::new()?.block_on(cluster_up(opts))
+            tokio::runtime::Runtime::new()?.block_on(run_foreground(opts))
         }
         cmd => {
             init_logs(None)?;
@@ -464,93 +464,6 @@ async fn run_agent(cfg: NodeAgentConfig, kubeconfig: &Path) -> anyhow::Result<()
     tracing::info!(%node, %sig, "node agent stopping");
     agent.shutdown();
     Ok(())
-}
-
-async fn cluster_up(opts: UpOptions) -> anyhow::Result<()> {
-    let t0 = Instant::now();
-    println!(
-        "Starting sheaf: control plane + {} node{} (data in {})",
-        opts.nodes,
-        if opts.nodes == 1 { "" } else { "s" },
-        opts.data_dir.display()
-    );
-    let running = start(&opts).await?;
-    let kubeconfig = running.api.kubeconfig.clone();
-    println!(
-        "Cluster up in {:.1} s. API server {}",
-        t0.elapsed().as_secs_f64(),
-        running.api.url
-    );
-    println!("kubeconfig: {}", kubeconfig.display());
-    println!("  export KUBECONFIG={}", kubeconfig.display());
-    if let Some(n) = running.cluster.lock().await.netns() {
-        let net = n.network();
-        let nodes: Vec<String> = net
-            .nodes
-            .iter()
-            .map(|x| format!("{} {} ({})", x.name, x.addr, x.netns))
-            .collect();
-        println!(
-            "Node namespaces on bridge {} {}/24: {}",
-            net.bridge,
-            net.gateway,
-            nodes.join(", ")
-        );
-    }
-    let client = ApiClient::from_kubeconfig(&kubeconfig)?;
-    let snap = Snapshot::fetch(&client).await?;
-    println!();
-    print!("{}", render(&snap));
-    println!();
-    println!(
-        "Logs: {}. Metrics: {}/metrics. Ctrl-C stops the cluster.",
-        opts.data_dir.join("cluster.log").display(),
-        running.api.url
-    );
-    let _ = std::io::stdout().flush();
-    let sig = wait_for_signal().await?;
-    println!("\n{sig}: stopping the cluster...");
-    let netns = opts.netns;
-    let net_left = running.shutdown().await;
-    // Every launcher and replica process got SIGKILL; reap and count.
-    let left = wait_children_gone(Duration::from_secs(5));
-    if left.is_empty() {
-        println!("Stopped; no sheaf process left running.");
-    } else {
-        println!("Stopped; processes still exiting: {left:?}");
-    }
-    if netns {
-        if net_left.is_empty() {
-            println!("Node network namespaces, veth pairs and the bridge removed.");
-        } else {
-            println!("Could not remove: {}", net_left.join("; "));
-        }
-    }
-    Ok(())
-}
-
-/// Child processes of this process that are still alive after `limit`.
-fn wait_children_gone(limit: Duration) -> Vec<i32> {
-    let me = std::process::id() as i32;
-    let t0 = Instant::now();
-    loop {
-        let mut left = Vec::new();
-        for (pid, state, ppid) in proc_children() {
-            if ppid != me {
-                continue;
-            }
-            if state == "Z" {
-                // SAFETY: reaping our own exited child; no memory is touched.
-                unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
-            } else {
-                left.push(pid);
-            }
-        }
-        if left.is_empty() || t0.elapsed() > limit {
-            return left;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::Result<()> {
@@ -685,147 +598,10 @@ async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::R
 }
 
 async fn node_cmd(c: &ApiClient, cmd: NodeCmd) -> anyhow::Result<()> {
-    let node_path = |n: &str| format!("/apis/sheaf.dev/v1/nodes/{n}");
     match cmd {
-        NodeCmd::Drain { node, timeout } => {
-            c.json(
-                "PATCH",
-                &node_path(&node),
-                Some((
-                    "application/merge-patch+json",
-                    &json!({"spec": {"unschedulable": true}}),
-                )),
-            )
-            .await?;
-            println!("node/{node} cordoned");
-            let on_node = |c: ApiClient, node: String| async move {
-                let l = c
-                    .get(&format!(
-                        "/apis/kubevirt.io/v1/virtualmachineinstances?fieldSelector=status.nodeName%3D{node}"
-                    ))
-                    .await?;
-                Ok::<_, anyhow::Error>(l["items"].as_array().cloned().unwrap_or_default())
-            };
-            let vmis = on_node(c.clone(), node.clone()).await?;
-            for v in &vmis {
-                let ns = v["metadata"]["namespace"].as_str().unwrap_or("default");
-                let name = v["metadata"]["name"].as_str().unwrap_or("");
-                if v["status"]["phase"] != "Running" {
-                    continue;
-                }
-                let m = json!({
-                    "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
-                    "metadata": {"generateName": format!("{name}-drain-"), "namespace": ns},
-                    "spec": {"vmiName": name},
-                });
-                c.json(
-                    "POST",
-                    &format!(
-                        "/apis/kubevirt.io/v1/namespaces/{ns}/virtualmachineinstancemigrations"
-                    ),
-                    Some(("application/json", &m)),
-                )
-                .await?;
-                println!("evicting vmi/{ns}/{name} (migration)");
-            }
-            let t0 = Instant::now();
-            loop {
-                let left = on_node(c.clone(), node.clone()).await?;
-                let running: Vec<String> = left
-                    .iter()
-                    .filter(|v| {
-                        !matches!(v["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
-                    })
-                    .map(|v| {
-                        format!(
-                            "{}/{}",
-                            v["metadata"]["namespace"].as_str().unwrap_or(""),
-                            v["metadata"]["name"].as_str().unwrap_or("")
-                        )
-                    })
-                    .collect();
-                if running.is_empty() {
-                    break;
-                }
-                if t0.elapsed() > Duration::from_secs(timeout) {
-                    bail!("node/{node}: still running after {timeout} s: {running:?}");
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            for v in &vmis {
-                let ns = v["metadata"]["namespace"].as_str().unwrap_or("default");
-                let name = v["metadata"]["name"].as_str().unwrap_or("");
-                if let Ok(to) =
-                    wait_moved(c, ns, name, Some(&node), Duration::from_secs(timeout)).await
-                {
-                    println!("vmi/{ns}/{name} running on {to}");
-                }
-            }
-            println!("node/{node} drained");
-        }
-        NodeCmd::Uncordon { node } => {
-            c.json(
-                "PATCH",
-                &node_path(&node),
-                Some((
-                    "application/merge-patch+json",
-                    &json!({"spec": {"unschedulable": false}}),
-                )),
-            )
-            .await?;
-            println!("node/{node} uncordoned");
-        }
-        NodeCmd::Kill { node, wait } => {
-            let l = c
-                .get(&format!(
-                    "/apis/kubevirt.io/v1/virtualmachineinstances?fieldSelector=status.nodeName%3D{node}"
-                ))
-                .await?;
-            let victims: Vec<(String, String)> = l["items"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|v| {
-                    (
-                        v["metadata"]["namespace"]
-                            .as_str()
-                            .unwrap_or("")
-                            .to_string(),
-                        v["metadata"]["name"].as_str().unwrap_or("").to_string(),
-                    )
-                })
-                .collect();
-            c.json(
-                "POST",
-                &format!("/apis/subresources.sheaf.dev/v1/nodes/{node}/kill"),
-                Some(("application/json", &json!({}))),
-            )
-            .await?;
-            println!(
-                "node/{node} killed ({} VM{} were on it)",
-                victims.len(),
-                if victims.len() == 1 { "" } else { "s" }
-            );
-            if wait {
-                let t0 = Instant::now();
-                for (ns, name) in &victims {
-                    let to = wait_moved(c, ns, name, Some(&node), Duration::from_secs(120)).await?;
-                    println!(
-                        "vmi/{ns}/{name} running on {to} ({:.1} s after the kill)",
-                        t0.elapsed().as_secs_f64()
-                    );
-                }
-            }
-        }
-        NodeCmd::Restart { node } => {
-            c.json(
-                "POST",
-                &format!("/apis/subresources.sheaf.dev/v1/nodes/{node}/restart"),
-                Some(("application/json", &json!({}))),
-            )
-            .await?;
-            println!("node/{node} restarted");
-        }
+        NodeCmd::Drain { node, timeout } => node_drain(c, &node, timeout).await,
+        NodeCmd::Uncordon { node } => node_uncordon(c, &node).await,
+        NodeCmd::Kill { node, wait } => node_kill(c, &node, wait).await,
+        NodeCmd::Restart { node } => node_restart(c, &node).await,
     }
-    Ok(())
 }

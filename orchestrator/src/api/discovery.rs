@@ -425,7 +425,7 @@ mod tests {
             names.contains(&"virtualmachines") && names.contains(&"virtualmachineinstances/status")
         );
         let groups = group_list(&reg);
-        assert_eq!(groups["groups"].as_array().unwrap().len(), 2);
+        assert_eq!(groups["groups"].as_array().unwrap().len(), 3);
         assert!(resource_list(&reg, "", "v1").unwrap()["resources"][0]["name"] == "namespaces");
     }
 }

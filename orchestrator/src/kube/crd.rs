@@ -297,12 +297,19 @@ pub fn crd(k: &KindInfo) -> Value {
     })
 }
 
-/// CRDs of every non-core kind of `registry`.
+/// Whether `group` is one Kubernetes itself serves (the core group,
+/// `coordination.k8s.io`, ...): a real cluster already has those kinds, so
+/// they get no CRD.
+pub fn is_builtin_group(group: &str) -> bool {
+    group.is_empty() || group == "k8s.io" || group.ends_with(".k8s.io")
+}
+
+/// CRDs of every kind of `registry` that Kubernetes does not serve itself.
 pub fn crds(registry: &Registry) -> Vec<Value> {
     registry
         .kinds()
         .iter()
-        .filter(|k| !k.group.is_empty())
+        .filter(|k| !is_builtin_group(k.group))
         .map(crd)
         .collect()
 }

@@ -78,6 +78,9 @@ pub enum Error {
     /// Saving or restoring a snapshot failed.
     #[error("snapshot")]
     Snapshot(#[from] crate::vm::state::SnapshotError),
+    /// A live migration failed (see [`crate::migration::MigrationError`]).
+    #[error("live migration")]
+    Migration(#[from] crate::migration::MigrationError),
     /// Reading the dirty-page log failed.
     #[error("cannot read the dirty-page log")]
     DirtyLog(#[source] kvm_ioctls::Error),

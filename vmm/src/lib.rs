@@ -59,6 +59,7 @@ pub mod exit;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod memory;
+pub mod migration;
 pub mod probe;
 mod vcpu;
 pub(crate) mod vm;
@@ -73,6 +74,9 @@ pub use devices::virtio::net::{DgramBackend, MacAddr, NetBackend, TapBackend};
 pub use error::{Error, Result};
 pub use exit::ExitReason;
 pub use memory::DirtyRegion;
+pub use migration::{
+    MigrationConfig, MigrationError, MigrationReport, PassReport, Phase, Progress, TransportError,
+};
 pub use vcpu::{VcpuStats, kick_signal};
 pub use vm::state::{MEMORY_FILE, SNAPSHOT_VERSION, STATE_FILE, SnapshotError, VmSnapshot};
 pub use vm::{Vm, VmBuilder, VmEvent, VmMetrics, VmState};

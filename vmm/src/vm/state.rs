@@ -553,3 +553,64 @@ fn read_full(r: &mut dyn Read, buf: &mut [u8]) -> io::Result<usize> {
     }
     Ok(n)
 }
+
+/// Hooks for live migration (`crate::migration`).
+impl Vm {
+    pub(crate) fn guest_memory(&self) -> &crate::memory::GuestMemory {
+        &self.ram.mem
+    }
+
+    pub(crate) fn ram_size(&self) -> u64 {
+        self.ram.size()
+    }
+
+    pub(crate) fn vcpu_count(&self) -> usize {
+        self.vcpus.len()
+    }
+
+    pub(crate) fn tracks_dirty_pages(&self) -> bool {
+        self.ram.dirty_logging
+    }
+
+    /// Holds every vCPU out of the guest (`true`) or lets them run again
+    /// (`false`) without a state change or event: auto-converge throttling
+    /// of a running VM. Returns whether the vCPUs are held.
+    pub(crate) fn hold_vcpus(&self, hold: bool) -> bool {
+        use crate::vcpu::Desired;
+        let control = &self.shared.control;
+        if !hold {
+            if control.desired() == Desired::Pause && self.state() == VmState::Running {
+                control.set(Desired::Run);
+            }
+            return false;
+        }
+        if control.desired() != Desired::Run || self.state() != VmState::Running {
+            return false;
+        }
+        control.set(Desired::Pause);
+        self.shared.kick_vcpus();
+        if control.wait_parked(self.vcpus.len(), std::time::Duration::from_secs(1)) {
+            return true;
+        }
+        if control.desired() == Desired::Pause {
+            control.set(Desired::Run);
+        }
+        false
+    }
+
+    /// Loads a migrated state into a VM built by
+    /// [`VmBuilder::create_for_migration`] whose RAM was already written.
+    pub(crate) fn load_migrated_state(&self, s: &VmSnapshot) -> Result<()> {
+        check_version(s.version)?;
+        self.check_matches(s)?;
+        self.load_state(s)?;
+        Ok(())
+    }
+}
+
+impl VmBuilder {
+    /// Builds the VM without booting it (RAM and state come from a peer).
+    pub(crate) fn create_for_migration(self) -> Result<Vm> {
+        Vm::build(self, Boot::Restore)
+    }
+}

@@ -343,10 +343,12 @@ impl Source<'_> {
                     addr: gpa,
                     source,
                 })?;
-            if page.iter().all(|&b| b == 0) {
+            if wire::is_zero(&page) {
                 zero += 1;
+                msg.push(gpa, None);
+            } else {
+                msg.push(gpa, Some(&page));
             }
-            msg.push(gpa, Some(&page));
             n += 1;
             if msg.full() {
                 self.link.send(msg.payload()).map_err(tx)?;

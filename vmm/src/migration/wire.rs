@@ -306,6 +306,15 @@ pub fn encode(m: &Msg<'_>) -> Vec<u8> {
     v
 }
 
+/// Whether `d` is all zeros (eight bytes at a time).
+pub fn is_zero(d: &[u8]) -> bool {
+    let mut words = d.chunks_exact(8);
+    words
+        .by_ref()
+        .all(|w| u64::from_ne_bytes(w.try_into().unwrap_or([1; 8])) == 0)
+        && words.remainder().iter().all(|&b| b == 0)
+}
+
 /// Builds `Pages` payloads.
 #[derive(Debug)]
 pub struct PagesBuf {
@@ -336,7 +345,7 @@ impl PagesBuf {
 
     /// Adds a page (`None` or all-zero data: a zero record).
     pub fn push(&mut self, gpa: u64, data: Option<&[u8]>) {
-        match data.filter(|d| d.iter().any(|&b| b != 0)) {
+        match data.filter(|d| !is_zero(d)) {
             Some(d) => {
                 self.buf.extend_from_slice(&gpa.to_le_bytes());
                 self.buf.extend_from_slice(d);

@@ -24,7 +24,10 @@
 //! `probe.log=N` (+ `probe.log_base=SECTOR`, `probe.log_pause=ITER`): verify
 //! the records of a small on-disk log, then append N more, printing
 //! `log: ack k` once record k is written and flushed (used by the
-//! orchestrator's failover tests).
+//! orchestrator's failover tests). With `probe.dirty=P` (+
+//! `probe.dirty_every=ITER`) the pause between records also writes one
+//! page of a P-page area (at most 1024) every ITER loop iterations, round
+//! robin: a guest that dirties memory at a steady rate (migration tests).
 //!
 //! Built by `vmm/build.rs` with the host's x86_64-unknown-linux-gnu target,
 //! `-nostdlib -static` and `probe.ld`; no prebuilt blob.
@@ -752,11 +755,22 @@ fn log_record(k: u64, token: &[u8], out: &mut [u8; 512]) {
     out[504..].copy_from_slice(&sum.to_le_bytes());
 }
 
+/// Pages `probe.dirty=P` may keep writing.
+const DIRTY_PAGES: usize = 1024;
+
+#[repr(C, align(4096))]
+struct DirtyArea([u8; DIRTY_PAGES * 4096]);
+
+static mut DIRTY: DirtyArea = DirtyArea([0; DIRTY_PAGES * 4096]);
+
 fn log_mode(blk: &mut Blk, capacity: u64, cmdline: &[u8]) {
     let count = find(cmdline, b"probe.log=").and_then(parse_num).map(|(v, _)| v).unwrap_or(0);
     let base = find(cmdline, b"probe.log_base=").and_then(parse_num).map(|(v, _)| v).unwrap_or(2048);
     let pause = find(cmdline, b"probe.log_pause=").and_then(parse_num).map(|(v, _)| v).unwrap_or(0);
     let token = find(cmdline, b"probe.token=").unwrap_or(&[]);
+    let dirty = find(cmdline, b"probe.dirty=").and_then(parse_num).map(|(v, _)| v).unwrap_or(0).min(DIRTY_PAGES as u64);
+    let every = find(cmdline, b"probe.dirty_every=").and_then(parse_num).map(|(v, _)| v).unwrap_or(1000).max(1);
+    let mut written = 0u64;
     let slots = if capacity > base { (capacity - base) / 8 } else { 0 };
     let data = unsafe { (&raw const BUF.data) as u64 };
     // Scan and verify the records already there.
@@ -799,6 +813,15 @@ fn log_mode(blk: &mut Blk, capacity: u64, cmdline: &[u8]) {
         k += 1;
         let mut i = 0u64;
         while i < pause {
+            if dirty != 0 && i % every == 0 {
+                let page = (written % dirty) as usize;
+                // SAFETY: the offset is inside DIRTY (page < DIRTY_PAGES).
+                unsafe {
+                    let p = (&raw mut DIRTY.0).cast::<u8>().add(page * 4096 + (written / dirty % 4096) as usize);
+                    write_volatile(p, written as u8);
+                }
+                written += 1;
+            }
             unsafe { asm!("nop") };
             i += 1;
         }

@@ -83,6 +83,18 @@ fn keeps_running(vm: &Vm, more: usize) {
     wait_acks(vm, now + more);
 }
 
+/// An error and its causes, one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
 fn assert_consecutive(seq: &[u64]) {
     for (i, k) in seq.iter().enumerate() {
         assert_eq!(*k, i as u64, "acks not consecutive: {seq:?}");
@@ -216,10 +228,16 @@ fn a_wrong_key_is_refused_and_the_source_keeps_running() {
             &MigrationConfig::new(KEY),
         )
         .unwrap_err();
-    let Error::Migration(MigrationError::Failed { phase, cause }) = &e else {
+    let Error::Migration(MigrationError::Failed {
+        phase,
+        cause,
+        source_running,
+    }) = &e
+    else {
         panic!("{e:?}")
     };
     assert_eq!(*phase, Phase::Handshake);
+    assert!(*source_running);
     assert!(
         matches!(
             **cause,
@@ -393,7 +411,11 @@ fn a_cut_connection_at_each_phase_leaves_the_source_running() {
             matches!(te, Error::Migration(MigrationError::ReceiveFailed { .. })),
             "{cut:?}: {te:?}"
         );
-        eprintln!("{cut:?}: source: {e} ({phase}); target: {te}");
+        eprintln!(
+            "{cut:?}:\n  source: {}\n  target: {}",
+            chain(&e),
+            chain(&te)
+        );
         keeps_running(&src, 2);
     }
     // After four failed attempts the same VM still migrates.
@@ -480,7 +502,7 @@ fn hostile_frames_are_refused_by_the_target() {
     let dir = tempfile::tempdir().unwrap();
     let disk = disk_file(dir.path());
     // Pages outside RAM, misaligned, straddling the end of RAM.
-    for gpa in [1u64 << 40, 0x1002, (64 << 20) - 2048, u64::MAX & !0xfff] {
+    for gpa in [1u64 << 40, 0x1002, (64 << 20) - 2048, !0xfffu64] {
         let (addr, target) = spawn_target(&disk, KEY);
         let mut link = hostile_source(addr);
         let mut pages = PagesBuf::new(0);
@@ -547,4 +569,58 @@ fn hostile_frames_are_refused_by_the_target() {
         ),
         "{e:?}"
     );
+}
+
+#[test]
+fn a_guest_dirtying_memory_faster_than_the_link_is_throttled() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let disk = disk_file(dir.path());
+    let mut cfg = config(&disk);
+    cfg.kernel.cmdline = "console=ttyS0 probe.need_disk=1 probe.log=1000000 \
+        probe.log_pause=200000 probe.dirty=1024 probe.dirty_every=20"
+        .into();
+    let src = Vm::new(cfg.clone()).unwrap();
+    src.start().unwrap();
+    wait_acks(&src, 2);
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let target = std::thread::spawn(move || {
+        let (s, _) = l.accept().unwrap();
+        Vm::builder(cfg).receive_migration(s, &MigrationConfig::new(KEY))
+    });
+    let mut mc = MigrationConfig::new(KEY);
+    mc.bandwidth_limit = Some(16 << 20);
+    mc.downtime_budget = Duration::from_millis(30);
+    mc.max_iterations = 3;
+    let report = src.migrate(TcpStream::connect(addr).unwrap(), &mc).unwrap();
+    let dst = target.join().unwrap().unwrap();
+    for p in &report.passes {
+        eprintln!(
+            "pass {:2}: {:5} pages ({:5} zero) {:8} bytes in {:?}, dirtied {:5}, throttle {:2} %{}",
+            p.pass,
+            p.pages,
+            p.zero_pages,
+            p.bytes,
+            p.duration,
+            p.dirtied,
+            p.throttle_percent,
+            if p.final_pass { " (final)" } else { "" }
+        );
+    }
+    eprintln!(
+        "converged {} downtime {:?} total {:?} link {} B/s",
+        report.converged, report.downtime, report.total_time, report.link_bytes_per_sec
+    );
+    assert!(
+        report.passes[1].dirtied > 100,
+        "the guest does not dirty memory: {report:?}"
+    );
+    assert!(report.max_throttle_percent > 0, "{report:?}");
+    let before = console(&src);
+    let after = wait_acks(&dst, 2);
+    assert!(!after.contains("sheaf-probe: boot"));
+    assert_consecutive(&acks(&(before + &after)));
 }

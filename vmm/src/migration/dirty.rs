@@ -67,10 +67,10 @@ impl DirtySet {
                 *w |= bits;
             }
             // Bits past the region's last page are not pages.
-            if r.pages % 64 != 0 {
-                if let Some(last) = r.bits.last_mut() {
-                    *last &= (1u64 << (r.pages % 64)) - 1;
-                }
+            if !r.pages.is_multiple_of(64)
+                && let Some(last) = r.bits.last_mut()
+            {
+                *last &= (1u64 << (r.pages % 64)) - 1;
             }
         }
     }

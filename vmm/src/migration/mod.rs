@@ -40,6 +40,10 @@ use std::time::Duration;
 
 pub use transport::TransportError;
 
+/// A progress callback ([`MigrationConfig::progress`]); it runs on the
+/// migrating thread, so keep it short.
+pub type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;
+
 /// Settings of one migration (both sides use the same `key`).
 #[derive(Clone)]
 pub struct MigrationConfig {
@@ -57,7 +61,7 @@ pub struct MigrationConfig {
     /// Timeout of every read and write on the connection. Default 30 s.
     pub io_timeout: Duration,
     /// Called at each phase change and after every pass (progress reporting).
-    pub progress: Option<Arc<dyn Fn(&Progress) + Send + Sync>>,
+    pub progress: Option<ProgressFn>,
 }
 
 impl MigrationConfig {
@@ -200,16 +204,27 @@ impl MigrationReport {
     }
 }
 
+fn source_note(running: bool) -> &'static str {
+    if running {
+        "the source VM keeps running"
+    } else {
+        "the source VM is not running"
+    }
+}
+
 /// Errors of a migration.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum MigrationError {
     /// The migration failed during `phase`; the source VM was resumed (if
     /// it was running) and the target did not start.
-    #[error("live migration failed during {phase}; the source VM keeps running")]
+    #[error("live migration failed during {phase}; {}", source_note(*.source_running))]
     Failed {
         /// Where it failed.
         phase: Phase,
+        /// Whether the source VM runs (false only if it was paused or
+        /// stopped before, or could not be resumed).
+        source_running: bool,
         /// Why.
         #[source]
         cause: Box<crate::Error>,

@@ -139,6 +139,7 @@ impl Vm {
             Err(e) => {
                 return Err(MigrationError::Failed {
                     phase: Phase::Handshake,
+                    source_running: state == VmState::Running,
                     cause: Box::new(tx(e)),
                 }
                 .into());
@@ -190,14 +191,17 @@ impl Source<'_> {
             }
             .into();
         }
-        if self.paused_at.is_some() && initial == VmState::Running {
-            if let Err(e) = self.vm.resume() {
-                tracing::error!(vm = %self.vm.name(), error = %e, "cannot resume the VM after a failed migration");
-            }
+        if self.paused_at.is_some()
+            && initial == VmState::Running
+            && let Err(e) = self.vm.resume()
+        {
+            tracing::error!(vm = %self.vm.name(), error = %e, "cannot resume the VM after a failed migration");
         }
-        tracing::warn!(vm = %self.vm.name(), phase = %self.phase, error = %cause, "migration failed; the VM keeps running here");
+        let source_running = self.vm.state() == VmState::Running;
+        tracing::warn!(vm = %self.vm.name(), phase = %self.phase, error = %cause, source_running, "migration failed; the VM stays here");
         MigrationError::Failed {
             phase: self.phase,
+            source_running,
             cause: Box::new(cause),
         }
         .into()

@@ -87,7 +87,7 @@ fn mismatch(what: &'static str, source: impl ToString, target: impl ToString) ->
 
 /// Writes one received page into guest RAM after checking its address.
 fn write_page(mem: &GuestMemory, gpa: u64, data: Option<&[u8]>) -> Result<()> {
-    let in_ram = gpa % PAGE as u64 == 0
+    let in_ram = gpa.is_multiple_of(PAGE as u64)
         && gpa.checked_add(PAGE as u64 - 1).is_some_and(|last| {
             mem.address_in_range(GuestAddress(gpa)) && mem.address_in_range(GuestAddress(last))
         });

@@ -117,6 +117,7 @@ impl Vm {
     /// the hand-over, any failure resumes this VM and returns
     /// [`MigrationError::Failed`] naming the phase; see
     /// [`MigrationError::InDoubt`] for the one window where it stays paused.
+    /// Do not pause, resume or stop the VM from another thread meanwhile.
     pub fn migrate(&self, stream: TcpStream, cfg: &MigrationConfig) -> Result<MigrationReport> {
         cfg.validate()?;
         if !self.tracks_dirty_pages() {

@@ -131,14 +131,10 @@ fn receive(vm: &Vm, link: &mut SecureStream) -> Result<()> {
     loop {
         match recv(link, &mut buf)? {
             Msg::Pages { pass: p, pages } => {
-                if p < pass || !state.is_empty() {
+                if p != pass || !state.is_empty() {
                     return Err(proto(MigrationError::Protocol(format!(
-                        "pages of pass {p} after pass {pass} or the state"
+                        "pages of pass {p} during pass {pass} or after the state"
                     ))));
-                }
-                if p != pass {
-                    pass = p;
-                    in_pass = 0;
                 }
                 for r in pages {
                     write_page(mem, r.gpa, r.data)?;
@@ -146,9 +142,9 @@ fn receive(vm: &Vm, link: &mut SecureStream) -> Result<()> {
                 }
             }
             Msg::PassEnd { pass: p, pages } => {
-                if p != pass && !(p > pass && in_pass == 0 && pages == 0) {
+                if p != pass || !state.is_empty() {
                     return Err(proto(MigrationError::Protocol(format!(
-                        "end of pass {p} during pass {pass}"
+                        "end of pass {p} during pass {pass} or after the state"
                     ))));
                 }
                 if pages != in_pass {
@@ -156,7 +152,7 @@ fn receive(vm: &Vm, link: &mut SecureStream) -> Result<()> {
                         "pass {p} announced {pages} pages but carried {in_pass}"
                     ))));
                 }
-                pass = p + 1;
+                pass += 1;
                 in_pass = 0;
             }
             Msg::StateChunk(b) => {

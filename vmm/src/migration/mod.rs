@@ -27,6 +27,30 @@
 //! arrived leaves the source **paused** ([`MigrationError::InDoubt`]): the
 //! target may or may not run, and the embedder, who can ask it, decides
 //! (never two running copies; at worst none until then).
+//!
+//! ```no_run
+//! use std::net::{TcpListener, TcpStream};
+//! use sheaf_vmm::{MigrationConfig, Vm, VmConfig};
+//!
+//! let config = || {
+//!     VmConfig::builder()
+//!         .kernel("vmlinux")
+//!         .disk("/shared/disk.img")
+//!         .track_dirty_pages(true)
+//!         .build()
+//! };
+//! let cfg = MigrationConfig::new([7; 32]); // a real key comes from a secret store
+//! // Target host:
+//! let listener = TcpListener::bind("0.0.0.0:7400")?;
+//! let (conn, _) = listener.accept()?;
+//! let target = Vm::builder(config()?).receive_migration(conn, &cfg)?;
+//! // Source host (a running `vm`):
+//! # let vm = Vm::new(config()?)?;
+//! let report = vm.migrate(TcpStream::connect("target:7400")?, &cfg)?;
+//! println!("{} passes, downtime {:?}", report.iterations(), report.downtime);
+//! # drop(target);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 mod dirty;
 mod precopy;

@@ -307,3 +307,52 @@ pub async fn start(opts: &ControlPlaneOptions) -> Result<RunningControlPlane, Co
         importer,
     })
 }
+
+/// `sheaf control-plane up` in the foreground: starts, prints where the API
+/// is, prints every change of the Lease holder, and on SIGTERM/SIGINT stops
+/// (a leader releases the Lease so another takes over at once).
+pub async fn run_foreground(opts: ControlPlaneOptions) -> anyhow::Result<()> {
+    let cp = start(&opts).await?;
+    println!("control plane {} serving {}", opts.name, cp.url);
+    println!("  kubeconfig: {}", cp.kubeconfig.display());
+    println!(
+        "  etcd: {} (prefix {})",
+        opts.etcd.join(","),
+        opts.etcd_prefix
+    );
+    if let Some(e) = cp.control.election() {
+        println!("  identity: {}", e.identity());
+    }
+    println!("SIGTERM or Ctrl-C stops this control plane");
+    let mut status = cp
+        .control
+        .election()
+        .map(|e| e.subscribe())
+        .ok_or_else(|| anyhow::anyhow!("no leader election"))?;
+    let follow = tokio::spawn(async move {
+        let mut last: Option<(bool, String)> = None;
+        loop {
+            let s = status.borrow_and_update().clone();
+            let now = (s.leading, s.holder.clone());
+            if last.as_ref() != Some(&now) {
+                if s.leading {
+                    println!("leading: this control plane runs the controllers");
+                } else if s.holder.is_empty() {
+                    println!("following: no leader yet");
+                } else {
+                    println!("following: leader is {}", s.holder);
+                }
+                last = Some(now);
+            }
+            if status.changed().await.is_err() {
+                break;
+            }
+        }
+    });
+    let why = crate::cluster::wait_for_signal().await?;
+    println!("{why}: stopping control plane {}", opts.name);
+    follow.abort();
+    cp.shutdown().await;
+    println!("control plane {} stopped", opts.name);
+    Ok(())
+}

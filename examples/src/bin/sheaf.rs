@@ -24,6 +24,7 @@ use sheaf_examples::cluster::{UpOptions, run_foreground, wait_for_signal};
 use sheaf_examples::commands::{
     console, image_import, kv, vm_verb, vmi_node, vmi_verb, wait_moved,
 };
+use sheaf_examples::control_plane::{self, ControlPlaneOptions};
 use sheaf_examples::image::write_probe_disk;
 use sheaf_examples::node_cmds::{node_drain, node_kill, node_restart, node_uncordon};
 use sheaf_examples::status::{Snapshot, render};
@@ -57,6 +58,11 @@ enum Cmd {
     Cluster {
         #[command(subcommand)]
         cmd: ClusterCmd,
+    },
+    /// Run one control plane of a highly available cluster on etcd.
+    ControlPlane {
+        #[command(subcommand)]
+        cmd: ControlPlaneCmd,
     },
     /// Nodes, VMs, volumes and replica health at a glance.
     Status,
@@ -198,6 +204,51 @@ enum ClusterCmd {
     },
     /// Stop the cluster running on the data directory (SIGTERM to it).
     Down,
+}
+
+#[derive(Subcommand, Debug)]
+enum ControlPlaneCmd {
+    /// Serve the API on an etcd cluster and run the controllers while this
+    /// control plane holds the `kube-system/sheaf-controller-manager`
+    /// Lease (foreground; SIGTERM or Ctrl-C stops it and hands the Lease
+    /// over). Control planes on one machine share the data directory.
+    Up {
+        /// etcd client URLs (comma separated or repeated).
+        #[arg(long, required = true, value_delimiter = ',')]
+        etcd: Vec<String>,
+        /// This control plane's name (its directory under
+        /// DATA/control-planes/ and the prefix of its Lease identity).
+        #[arg(long, default_value = "cp-0")]
+        name: String,
+        /// API server address.
+        #[arg(long, default_value = "127.0.0.1:6443")]
+        listen: SocketAddr,
+        /// Extra names and addresses for the server certificate (repeatable).
+        #[arg(long)]
+        san: Vec<String>,
+        /// Key prefix of the cluster in etcd.
+        #[arg(long, default_value = "/sheaf/")]
+        etcd_prefix: String,
+        /// Seconds a silent node stays Ready before its VMs fail over.
+        #[arg(long, default_value_t = 40.0)]
+        node_grace: f64,
+        /// Seconds a leader's Lease lasts without renewal (kube-controller-manager's flag).
+        #[arg(long, default_value_t = 15.0)]
+        leader_elect_lease_duration: f64,
+        /// Seconds a leader keeps trying to renew before it stops its controllers.
+        #[arg(long, default_value_t = 10.0)]
+        leader_elect_renew_deadline: f64,
+        /// Seconds between attempts to acquire or renew the Lease.
+        #[arg(long, default_value_t = 2.0)]
+        leader_elect_retry_period: f64,
+        /// A host directory images may be named from, besides DATA/images
+        /// and DATA/uploads (repeatable).
+        #[arg(long)]
+        image_dir: Vec<PathBuf>,
+        /// Log to stderr instead of DATA/control-planes/<name>.log.
+        #[arg(long)]
+        log_stderr: bool,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -417,6 +468,48 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             tokio::runtime::Runtime::new()?.block_on(run_foreground(opts))
         }
+        Cmd::ControlPlane {
+            cmd:
+                ControlPlaneCmd::Up {
+                    etcd,
+                    name,
+                    listen,
+                    san,
+                    etcd_prefix,
+                    node_grace,
+                    leader_elect_lease_duration,
+                    leader_elect_renew_deadline,
+                    leader_elect_retry_period,
+                    image_dir,
+                    log_stderr,
+                },
+        } => {
+            let secs = |flag: &str, v: f64| -> anyhow::Result<Duration> {
+                if !(0.01..=3600.0).contains(&v) {
+                    bail!("--{flag} must be between 0.01 and 3600 seconds");
+                }
+                Ok(Duration::from_secs_f64(v))
+            };
+            let mut opts = ControlPlaneOptions::new(&name, &data_dir, etcd, listen);
+            opts.sans = san;
+            opts.etcd_prefix = etcd_prefix;
+            opts.node_grace = secs("node-grace", node_grace)?;
+            opts.lease_duration = secs("leader-elect-lease-duration", leader_elect_lease_duration)?;
+            opts.renew_deadline = secs("leader-elect-renew-deadline", leader_elect_renew_deadline)?;
+            opts.retry_period = secs("leader-elect-retry-period", leader_elect_retry_period)?;
+            opts.image_dirs = image_dir;
+            if log_stderr {
+                init_logs_at(None, "info")?;
+            } else {
+                let logs = data_dir.join("control-planes");
+                std::fs::create_dir_all(&logs)
+                    .with_context(|| format!("data directory {}", logs.display()))?;
+                let log = sheaf_orchestrator::names::child(&logs, &format!("{name}.log"))
+                    .map_err(|e| anyhow::anyhow!("--name: {e}"))?;
+                init_logs(Some(&log))?;
+            }
+            tokio::runtime::Runtime::new()?.block_on(control_plane::run_foreground(opts))
+        }
         cmd => {
             init_logs(None)?;
             let kc = cli
@@ -592,7 +685,8 @@ async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::R
         | Cmd::Cluster { .. }
         | Cmd::Vm { .. }
         | Cmd::Replica { .. }
-        | Cmd::Agent { .. } => {}
+        | Cmd::Agent { .. }
+        | Cmd::ControlPlane { .. } => {}
     }
     Ok(())
 }

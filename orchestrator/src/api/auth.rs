@@ -39,7 +39,8 @@ pub fn role_of(state: &ApiState, token: &str) -> Option<Role> {
 
 /// Paths served without authentication.
 fn is_public(path: &str) -> bool {
-    matches!(path, "/healthz" | "/livez" | "/readyz")
+    // The dashboard's static assets hold no data (see `ui`).
+    matches!(path, "/healthz" | "/livez" | "/readyz") || super::ui::is_ui_path(path)
 }
 
 /// Middleware: 401 without a valid token, 403 for writes by the read-only role.

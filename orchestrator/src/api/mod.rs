@@ -5,6 +5,7 @@
 //! ```text
 //!   TCP ─► rustls (h2 / http1.1) ─► hyper ─► axum Router
 //!            ├─ /healthz /livez /readyz                 (no auth)
+//!            ├─ /ui/ dashboard assets (ui/)            (no auth; its data calls need a token)
 //!            └─ auth (bearer token → admin | read-only) ─► handlers::dispatch
 //!                 ├─ discovery: /api /apis /apis/<g>/<v> /version /openapi/v3
 //!                 └─ resources: list/watch/get/create/update/patch/delete(+collection), /status
@@ -22,6 +23,7 @@ pub mod ratelimit;
 mod status;
 pub mod table;
 pub mod tls;
+pub mod ui;
 mod watch;
 
 use std::net::SocketAddr;
@@ -175,6 +177,7 @@ pub fn router_with(state: ApiState, extra: Router) -> Router {
         .route("/readyz", get(|| async { "ok" }))
         .fallback(handlers::dispatch)
         .with_state(state.clone())
+        .merge(ui::routes())
         .merge(extra)
         .layer(axum::middleware::from_fn_with_state(
             state,

@@ -154,12 +154,24 @@ mod tests {
     fn no_inline_script_or_external_url_in_assets() {
         for a in ASSETS {
             let text = String::from_utf8_lossy(a.body);
-            assert!(!text.contains("http://") && !text.contains("https://"), "{}", a.path);
+            assert!(
+                !text.contains("http://") && !text.contains("https://"),
+                "{}",
+                a.path
+            );
             if a.path.ends_with(".html") {
-                assert!(!text.contains("<script>") && !text.contains("style="), "{}", a.path);
+                assert!(
+                    !text.contains("<script>") && !text.contains("style="),
+                    "{}",
+                    a.path
+                );
             }
             if a.path.ends_with(".js") {
-                assert!(!text.contains("innerHTML") && !text.contains("eval("), "{}", a.path);
+                assert!(
+                    !text.contains("innerHTML") && !text.contains("eval("),
+                    "{}",
+                    a.path
+                );
             }
         }
     }

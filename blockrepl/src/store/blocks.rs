@@ -242,6 +242,43 @@ impl Store {
     /// Returns the blocks that failed verification as `(lba, layer)`; their
     /// bytes in `out` are zeroed. A corrupt copy is never returned as data.
     pub fn read(&self, lba: u64, nblocks: u32, out: &mut [u8]) -> Result<Vec<(u64, u64)>> {
+        self.read_below(self.layers.len(), lba, nblocks, out)
+    }
+
+    /// Reads `nblocks` blocks at `lba` as snapshot `layer` saw them: through
+    /// the chain from that layer down, ignoring the layers above it. Bad
+    /// blocks are reported and zeroed as in [`Store::read`].
+    pub fn read_snapshot(
+        &self,
+        layer: u64,
+        lba: u64,
+        nblocks: u32,
+        out: &mut [u8],
+    ) -> Result<Vec<(u64, u64)>> {
+        let li = self
+            .layer_index(layer)
+            .ok_or_else(|| Error::InvalidArgument(format!("no layer {layer}")))?;
+        self.read_below(li + 1, lba, nblocks, out)
+    }
+
+    /// The blocks layer `layer` holds an entry for (data, zero or damaged),
+    /// ascending: what was written while it was the head. `None` if there
+    /// is no such layer.
+    pub fn layer_blocks(&self, layer: u64) -> Option<Vec<u64>> {
+        let li = self.layer_index(layer)?;
+        let mut v: Vec<u64> = self.layers[li].blocks.keys().collect();
+        v.sort_unstable();
+        Some(v)
+    }
+
+    /// [`Store::read`] through the lowest `top` layers.
+    fn read_below(
+        &self,
+        top: usize,
+        lba: u64,
+        nblocks: u32,
+        out: &mut [u8],
+    ) -> Result<Vec<(u64, u64)>> {
         self.check_range(lba, nblocks as u64)?;
         if out.len() != nblocks as usize * BLOCK_SIZE {
             return Err(Error::InvalidArgument("buffer length mismatch".into()));
@@ -253,7 +290,7 @@ impl Store {
         for i in 0..nblocks as usize {
             let b = lba + i as u64;
             let mut found = false;
-            for li in (0..self.layers.len()).rev() {
+            for li in (0..top).rev() {
                 if let Some(e) = self.layers[li].blocks.get(b) {
                     found = true;
                     let file = match e.loc {

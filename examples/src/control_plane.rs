@@ -141,8 +141,12 @@ fn files(path: &Path) -> impl FnOnce(String) -> ControlPlaneUpError + '_ {
 }
 
 /// Creates the shared CA, server certificate, tokens and replication secret
-/// once, under an exclusive lock so control planes starting together agree.
-fn ensure_credentials(data_dir: &Path, sans: &[String]) -> Result<(), ControlPlaneUpError> {
+/// once, under an exclusive lock so control planes starting together agree;
+/// returns the replication secret.
+fn ensure_credentials(
+    data_dir: &Path,
+    sans: &[String],
+) -> Result<sheaf_blockrepl::net::Secret, ControlPlaneUpError> {
     use std::os::fd::AsRawFd;
     let lock_path = data_dir.join(".credentials.lock");
     let lock = std::fs::OpenOptions::new()
@@ -159,9 +163,10 @@ fn ensure_credentials(data_dir: &Path, sans: &[String]) -> Result<(), ControlPla
     }
     TlsMaterial::load_or_create(data_dir, sans).map_err(|e| files(data_dir)(e.to_string()))?;
     Tokens::load_or_create(data_dir).map_err(|e| files(data_dir)(e.to_string()))?;
-    ensure_secret(&data_dir.join("secret")).map_err(|e| files(data_dir)(e.to_string()))?;
+    let secret =
+        ensure_secret(&data_dir.join("secret")).map_err(|e| files(data_dir)(e.to_string()))?;
     drop(lock);
-    Ok(())
+    Ok(secret)
 }
 
 /// Copies the shared credentials into this control plane's directory
@@ -229,11 +234,10 @@ pub async fn start(opts: &ControlPlaneOptions) -> Result<RunningControlPlane, Co
     le.validate().map_err(ControlPlaneUpError::Invalid)?;
     let dd = &opts.data_dir;
     std::fs::create_dir_all(dd).map_err(|e| files(dd)(e.to_string()))?;
-    ensure_credentials(dd, &opts.sans)?;
+    let secret = ensure_credentials(dd, &opts.sans)?;
     let own = names::child(&dd.join("control-planes"), &opts.name)
         .map_err(|e| ControlPlaneUpError::Invalid(e.to_string()))?;
     copy_credentials(dd, &own)?;
-    let secret = ensure_secret(&dd.join("secret")).map_err(|e| files(dd)(e.to_string()))?;
 
     let mut ecfg = EtcdConfig::new(opts.etcd.clone());
     ecfg.prefix = opts.etcd_prefix.clone();

@@ -12,13 +12,12 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{SHEAF, free_port};
+use common::{SHEAF, free_port, spawn_collecting};
 use sheaf_orchestrator::store::etcd::server::EtcdServer;
 
 const LEASE: Duration = Duration::from_secs(3);
@@ -49,29 +48,9 @@ impl Drop for Proc {
     }
 }
 
-/// Spawns `cmd` with stdout collected; returns once a line contains
-/// `ready` (30 s).
-fn spawn(mut cmd: Command, ready: &'static str, what: &str) -> Proc {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let out = Arc::new(Mutex::new(String::new()));
-    let (tx, rx) = std::sync::mpsc::channel();
-    let o2 = out.clone();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if line.contains(ready) {
-                let _ = tx.send(());
-            }
-            let mut g = o2.lock().unwrap();
-            g.push_str(&line);
-            g.push('\n');
-        }
-    });
+/// Spawns `cmd`; returns once a line of its stdout contains `ready` (30 s).
+fn spawn(cmd: Command, ready: &'static str, what: &str) -> Proc {
+    let (child, out, rx) = spawn_collecting(cmd, ready);
     let p = Proc { child, out };
     if rx.recv_timeout(Duration::from_secs(30)).is_err() {
         panic!("{what} did not start:\n{}", p.output());

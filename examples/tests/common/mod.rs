@@ -88,9 +88,32 @@ pub fn up(dir: &Path, netns: bool) -> Cluster {
     if let Some(parent) = dir.parent() {
         cmd.arg("--image-dir").arg(parent);
     }
+    cmd.args(["--nodes", "3", "--listen"])
+        .arg(format!("127.0.0.1:{port}"));
+    let (child, out, ready) = spawn_collecting(cmd, "Ctrl-C stops the cluster");
+    let c = Cluster {
+        child,
+        dir: dir.to_path_buf(),
+        out,
+    };
+    if ready.recv_timeout(Duration::from_secs(90)).is_err() {
+        let log = std::fs::read_to_string(dir.join("cluster.log")).unwrap_or_default();
+        panic!(
+            "cluster did not come up:\n{}\n--- cluster.log ---\n{log}",
+            c.out.lock().unwrap()
+        );
+    }
+    c
+}
+
+/// Spawns `cmd` with its stdout collected line by line into the returned
+/// buffer (stderr inherited); the receiver gets a message once a line
+/// contains `ready`.
+pub fn spawn_collecting(
+    mut cmd: Command,
+    ready: &'static str,
+) -> (Child, Arc<Mutex<String>>, std::sync::mpsc::Receiver<()>) {
     let mut child = cmd
-        .args(["--nodes", "3", "--listen"])
-        .arg(format!("127.0.0.1:{port}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -102,7 +125,7 @@ pub fn up(dir: &Path, netns: bool) -> Cluster {
     std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
-            if line.contains("Ctrl-C stops the cluster") {
+            if line.contains(ready) {
                 let _ = tx.send(());
             }
             let mut g = o2.lock().unwrap();
@@ -110,19 +133,7 @@ pub fn up(dir: &Path, netns: bool) -> Cluster {
             g.push('\n');
         }
     });
-    let c = Cluster {
-        child,
-        dir: dir.to_path_buf(),
-        out,
-    };
-    if rx.recv_timeout(Duration::from_secs(90)).is_err() {
-        let log = std::fs::read_to_string(dir.join("cluster.log")).unwrap_or_default();
-        panic!(
-            "cluster did not come up:\n{}\n--- cluster.log ---\n{log}",
-            c.out.lock().unwrap()
-        );
-    }
-    c
+    (child, out, rx)
 }
 
 /// Polls the `demo` VMI's console until `pred` holds (60 s).

@@ -387,7 +387,7 @@ async fn launcher_command(
         serde_json::from_str(&line).map_err(launcher_err)
     };
     let first = next().await?;
-    match (cmd, first.paused) {
+    match (&cmd, first.paused) {
         (LauncherCommand::Pause, true) => {
             return Err(Failure::conflict(format!("VM {vm} is already paused")));
         }

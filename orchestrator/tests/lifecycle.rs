@@ -295,7 +295,7 @@ async fn cold_migration_and_agent_restart() {
 
     // Cold migration through the adopted launcher's control socket.
     let mig: VirtualMachineInstanceMigration = decode_yaml(
-        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceMigration\nmetadata: {name: m1, namespace: default}\nspec: {vmiName: mover}\n",
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceMigration\nmetadata: {name: m1, namespace: default, annotations: {sheaf.dev/migration-mode: Cold}}\nspec: {vmiName: mover}\n",
     );
     create(&store, &mig).await;
     let m = wait_json(

@@ -99,10 +99,12 @@ fn spec(dir: &Path, r: &Replicas, runtime: &str, vm: VmSpec, epoch: u64) -> Laun
             epoch,
             min_write_replicas: None,
             read_only: false,
+            size_bytes: 0,
         }],
         file_disks: Vec::new(),
         secret_file: Some(r.secret_file.clone()),
         dir: ldir,
+        incoming: None,
     }
 }
 

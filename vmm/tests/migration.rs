@@ -624,3 +624,78 @@ fn a_guest_dirtying_memory_faster_than_the_link_is_throttled() {
     assert!(!after.contains("sheaf-probe: boot"));
     assert_consecutive(&acks(&(before + &after)));
 }
+
+/// The target's `before_start` hook runs after the commit, while the
+/// source is paused; when it refuses, the source resumes and keeps its log
+/// going, and the target never starts. When it accepts, it ran exactly
+/// once before the target's vCPUs did.
+#[test]
+fn the_before_start_hook_gates_the_switch_over() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let disk = disk_file(dir.path());
+    let src = Vm::new(config(&disk)).unwrap();
+    src.start().unwrap();
+    wait_acks(&src, 3);
+
+    let spawn = |allow: bool, calls: Arc<AtomicU64>| {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let cfg = config(&disk);
+        let h = std::thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            let mut mc = MigrationConfig::new(KEY);
+            mc.before_start = Some(Arc::new(move || {
+                calls.fetch_add(1, Ordering::SeqCst);
+                if allow {
+                    Ok(())
+                } else {
+                    Err("volume lease not granted".into())
+                }
+            }));
+            Vm::builder(cfg).receive_migration(s, &mc)
+        });
+        (addr, h)
+    };
+
+    let refused = Arc::new(AtomicU64::new(0));
+    let (addr, target) = spawn(false, refused.clone());
+    let err = src
+        .migrate(
+            TcpStream::connect(addr).unwrap(),
+            &MigrationConfig::new(KEY),
+        )
+        .unwrap_err();
+    let msg = chain(&err);
+    assert!(msg.contains("volume lease not granted"), "{msg}");
+    assert!(
+        matches!(
+            err,
+            Error::Migration(MigrationError::Failed {
+                source_running: true,
+                ..
+            })
+        ),
+        "{msg}"
+    );
+    assert_eq!(refused.load(Ordering::SeqCst), 1);
+    let terr = chain(&receive_error(target));
+    assert!(terr.contains("refused to start"), "{terr}");
+    keeps_running(&src, 3);
+
+    let accepted = Arc::new(AtomicU64::new(0));
+    let (addr, target) = spawn(true, accepted.clone());
+    src.migrate(
+        TcpStream::connect(addr).unwrap(),
+        &MigrationConfig::new(KEY),
+    )
+    .unwrap();
+    let dst = target.join().unwrap().unwrap();
+    assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    let before = console(&src);
+    let after = wait_acks(&dst, 3);
+    assert!(!after.contains("sheaf-probe: boot"), "rebooted:\n{after}");
+    assert_consecutive(&acks(&(before + &after)));
+}

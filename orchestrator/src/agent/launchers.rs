@@ -29,6 +29,8 @@ pub(crate) struct LauncherEntry {
     pub(crate) gone: bool,
     /// A stop was requested.
     pub(crate) stopping: bool,
+    /// Uid of the live migration this launcher was told to send.
+    pub(crate) migration_sent: Option<String>,
 }
 
 impl LauncherEntry {
@@ -119,6 +121,7 @@ pub(crate) fn spawn(
             cmd: None,
             gone: false,
             stopping: false,
+            migration_sent: None,
         },
     );
     // Reap it (the status comes over the socket or from status.json).
@@ -211,6 +214,7 @@ async fn follow(shared: Arc<Shared>, uid: String, key: ObjectKey, dir: PathBuf, 
                 paused: false,
                 commands: 0,
                 command_error: None,
+                migration: None,
             });
             s.phase = LauncherPhase::Exited;
             s.exit = Some(VmExit {
@@ -242,6 +246,41 @@ pub(crate) fn stop(shared: &Shared, uid: &str) {
         if let Some(tx) = &e.cmd {
             let _ = tx.send(LauncherCommand::Stop);
         }
+    }
+}
+
+/// Sends `cmd` to a running launcher; false when it is not connected.
+pub(crate) fn command(shared: &Shared, uid: &str, cmd: LauncherCommand) -> bool {
+    let g = lock(&shared.launchers);
+    match g.get(uid).and_then(|e| e.cmd.as_ref()) {
+        Some(tx) if !g.get(uid).is_some_and(|e| e.exited()) => tx.send(cmd).is_ok(),
+        _ => false,
+    }
+}
+
+/// Tells launcher `uid` to live-migrate for migration `cmd.migration_uid`,
+/// once: true when this call sent it.
+pub(crate) fn send_migrate(
+    shared: &Shared,
+    uid: &str,
+    cmd: crate::launcher::MigrateCommand,
+) -> bool {
+    let mut g = lock(&shared.launchers);
+    let Some(e) = g.get_mut(uid) else {
+        return false;
+    };
+    if e.exited() || e.migration_sent.as_deref() == Some(cmd.migration_uid.as_str()) {
+        return false;
+    }
+    let Some(tx) = &e.cmd else {
+        return false;
+    };
+    let mig = cmd.migration_uid.clone();
+    if tx.send(LauncherCommand::Migrate(cmd)).is_ok() {
+        e.migration_sent = Some(mig);
+        true
+    } else {
+        false
     }
 }
 
@@ -320,6 +359,7 @@ pub(crate) fn adopt(shared: &Arc<Shared>) -> Vec<ObjectKey> {
                 cmd: None,
                 gone: false,
                 stopping: false,
+                migration_sent: None,
             },
         );
         shared.spawn(follow(

@@ -21,6 +21,7 @@
 //! gets SIGKILL and the agent stops without cleaning up.
 
 mod launchers;
+mod migration;
 mod net;
 mod replicas;
 mod vmi;
@@ -242,6 +243,11 @@ impl NodeAgent {
         )
         .primary_options(mine)
         .watches(GroupKind::of::<Volume>(), vmi::volume_mapper(name.clone()))
+        // Instances migrating live to this node (bound to their source).
+        .watches(
+            GroupKind::of::<VirtualMachineInstance>(),
+            migration::incoming_mapper(name.clone()),
+        )
         .resync(Duration::from_secs(10))
         .workers(config.workers)
         .spawn(vmi_rec);

@@ -50,7 +50,7 @@ pub(crate) fn volume_mapper(node: String) -> KeyMapper {
 }
 
 pub(crate) struct AgentVmiReconciler {
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for AgentVmiReconciler {
@@ -66,20 +66,20 @@ impl AgentVmiReconciler {
         AgentVmiReconciler { shared }
     }
 
-    fn me(&self) -> &str {
+    pub(super) fn me(&self) -> &str {
         &self.shared.config.node_name
     }
 }
 
 /// Launcher state as the reconciler needs it.
-enum Launcher {
+pub(super) enum Launcher {
     None,
     Starting,
     Running(LauncherStatus),
     Exited(LauncherStatus),
 }
 
-fn launcher_state(shared: &Shared, uid: &str) -> Launcher {
+pub(super) fn launcher_state(shared: &Shared, uid: &str) -> Launcher {
     let g = lock(&shared.launchers);
     match g.get(uid) {
         None => Launcher::None,
@@ -93,6 +93,7 @@ fn launcher_state(shared: &Shared, uid: &str) -> Launcher {
             paused: false,
             commands: 0,
             command_error: None,
+            migration: None,
         })),
         Some(e) => match &e.status {
             Some(s) if s.phase == LauncherPhase::Running => Launcher::Running(s.clone()),
@@ -273,9 +274,16 @@ fn build_spec(
             return Ok(None);
         };
         let st = v.status.clone().unwrap_or_default();
-        let Some(att) = st.attachment.as_ref().filter(|a| {
-            a.node_name == cfg.node_name && a.instance_uid.as_deref() == Some(uid(vmi))
-        }) else {
+        // Attached here; or, for the target of a live migration, still to
+        // the source (the target takes it over at the switch-over).
+        let attached_to = super::migration::live_target(vmi, &cfg.node_name)
+            .and_then(|m| m.source_node)
+            .unwrap_or_else(|| cfg.node_name.clone());
+        let Some(att) = st
+            .attachment
+            .as_ref()
+            .filter(|a| a.node_name == attached_to && a.instance_uid.as_deref() == Some(uid(vmi)))
+        else {
             return Ok(None);
         };
         let replicas = st
@@ -302,6 +310,7 @@ fn build_spec(
             epoch: att.epoch.or(st.epoch).unwrap_or(1),
             min_write_replicas: v.spec.min_write_replicas.map(|w| w as usize),
             read_only: ro,
+            size_bytes: parse_quantity_bytes(&v.spec.size.0).unwrap_or(0),
         });
     }
     Ok(Some(LaunchSpec {
@@ -322,6 +331,7 @@ fn build_spec(
         file_disks,
         secret_file: Some(cfg.secret_file.clone()),
         dir,
+        incoming: None,
     }))
 }
 
@@ -343,6 +353,9 @@ impl Reconciler for AgentVmiReconciler {
         let vuid = uid(&vmi).to_string();
         let state = launcher_state(shared, &vuid);
         let mine = vmi_node(&vmi) == Some(self.me());
+        if !mine && let Some(ms) = super::migration::live_target(&vmi, self.me()) {
+            return super::migration::target(self, &vmi, ms).await;
+        }
         if !mine {
             // Moved away (hand-off) or never ours: make sure nothing runs here.
             match state {
@@ -376,6 +389,12 @@ impl Reconciler for AgentVmiReconciler {
                 }
             }
             return Ok(Action::Done);
+        }
+        // Live migration, source side: send the guest, the target takes over.
+        if let Some(ms) = super::migration::live_source(&vmi, self.me())
+            && phase == Some(VmiPhase::Running)
+        {
+            return super::migration::source(self, &vmi, ms, state).await;
         }
         // Cold migration, source side: stop, then hand the instance over.
         let ms = vmi.status.as_ref().and_then(|s| s.migration_state.clone());
@@ -463,6 +482,8 @@ impl Reconciler for AgentVmiReconciler {
                 set_phase(s, VmiPhase::Running);
                 s.reason = None;
                 set_condition(&mut s.conditions, "Ready", ConditionStatus::True, "", "");
+                super::migration::set_live_migratable(s, &st);
+                super::migration::resume_in_doubt(self, &vmi);
                 // KubeVirt's `Paused` condition: present while paused.
                 if st.paused {
                     set_condition(
@@ -507,6 +528,7 @@ impl Reconciler for AgentVmiReconciler {
                     paused: false,
                     commands: 0,
                     command_error: None,
+                    migration: None,
                 };
                 self.report_exit(&vmi, &st).await?;
             }
@@ -547,7 +569,10 @@ impl AgentVmiReconciler {
         }
     }
 
-    async fn volumes(&self, vmi: &VirtualMachineInstance) -> ControllerResult<Vec<Volume>> {
+    pub(super) async fn volumes(
+        &self,
+        vmi: &VirtualMachineInstance,
+    ) -> ControllerResult<Vec<Volume>> {
         let mut out = Vec::new();
         for n in vmi
             .spec
@@ -598,7 +623,7 @@ impl AgentVmiReconciler {
     /// Builds and writes the cloud-init seed of every file disk of `spec`
     /// into the launcher's directory. The outer error is the store's; the
     /// inner one says why a seed cannot be built (yet).
-    async fn write_seeds(
+    pub(super) async fn write_seeds(
         &self,
         vmi: &VirtualMachineInstance,
         spec: &LaunchSpec,
@@ -669,7 +694,7 @@ impl AgentVmiReconciler {
         Ok(())
     }
 
-    async fn report_exit(
+    pub(super) async fn report_exit(
         &self,
         vmi: &VirtualMachineInstance,
         st: &LauncherStatus,

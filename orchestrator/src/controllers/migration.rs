@@ -40,16 +40,57 @@ use crate::resources::{
 };
 use crate::store::{ListOptions, StoreError, StoreExt, UpdateScope, WatchEvent};
 
+/// Annotation of a `VirtualMachineInstanceMigration` asking for a cold
+/// migration (`Cold`: stop, move, start) of a guest that could move live.
+pub const MIGRATION_MODE_ANNOTATION: &str = "sheaf.dev/migration-mode";
+
+/// Migrations in flight in the cluster at once (KubeVirt's default
+/// `parallelMigrationsPerCluster`).
+pub const PARALLEL_MIGRATIONS_PER_CLUSTER: usize = 5;
+
+/// Migrations leaving one node at once (KubeVirt's default
+/// `parallelOutboundMigrationsPerNode`).
+pub const PARALLEL_OUTBOUND_MIGRATIONS_PER_NODE: usize = 2;
+
 /// How an instance moves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MigrationMode {
     /// Stop on the source, start on the target with the same volumes.
     Cold,
-    /// Copy memory while the guest runs (not implemented: falls back to Cold).
+    /// Copy memory while the guest runs (sheaf-vmm guests: the source
+    /// agent reports the `LiveMigratable` condition).
     PreCopy,
 }
 
 impl MigrationMode {
+    /// How `vmi` moves for `mig`: live when its node agent says it can
+    /// (`LiveMigratable` condition `True`) unless the migration asks for
+    /// a cold one (annotation [`MIGRATION_MODE_ANNOTATION`]` = Cold`).
+    pub fn of(
+        vmi: &VirtualMachineInstance,
+        mig: &VirtualMachineInstanceMigration,
+    ) -> MigrationMode {
+        let cold = mig
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(MIGRATION_MODE_ANNOTATION))
+            .is_some_and(|m| m.eq_ignore_ascii_case("cold"));
+        let live = !cold
+            && vmi
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .into_iter()
+                .flatten()
+                .any(|c| c.type_ == "LiveMigratable" && c.status == ConditionStatus::True);
+        if live {
+            MigrationMode::PreCopy
+        } else {
+            MigrationMode::Cold
+        }
+    }
+
     /// The name in `status.migrationState.mode`.
     pub fn as_str(&self) -> &'static str {
         match self {
@@ -146,6 +187,39 @@ impl MigrationController {
         })
         .await?;
         Ok(Action::Done)
+    }
+
+    /// Why another migration out of `source` must wait (KubeVirt's
+    /// defaults: [`PARALLEL_MIGRATIONS_PER_CLUSTER`] in flight in the
+    /// cluster, [`PARALLEL_OUTBOUND_MIGRATIONS_PER_NODE`] out of one node).
+    async fn over_limits(&self, source: &str) -> ControllerResult<Option<String>> {
+        let vmis: Vec<VirtualMachineInstance> = self
+            .ctx
+            .store
+            .list_typed(None, &ListOptions::default())
+            .await?;
+        let running: Vec<&MigrationState> = vmis
+            .iter()
+            .filter(|v| !is_final(vmi_phase(v)))
+            .filter_map(|v| v.status.as_ref()?.migration_state.as_ref())
+            .filter(|m| m.completed != Some(true))
+            .collect();
+        let out = running
+            .iter()
+            .filter(|m| m.source_node.as_deref() == Some(source))
+            .count();
+        Ok(if running.len() >= PARALLEL_MIGRATIONS_PER_CLUSTER {
+            Some(format!(
+                "{} migrations are in flight in the cluster (at most {PARALLEL_MIGRATIONS_PER_CLUSTER})",
+                running.len()
+            ))
+        } else if out >= PARALLEL_OUTBOUND_MIGRATIONS_PER_NODE {
+            Some(format!(
+                "{out} migrations are leaving node {source} (at most {PARALLEL_OUTBOUND_MIGRATIONS_PER_NODE})"
+            ))
+        } else {
+            None
+        })
     }
 
     /// Picks a target node for `vmi`: anything but its current node.
@@ -259,6 +333,20 @@ impl Reconciler for MigrationController {
                         .await;
                 }
                 let source = vmi_node(&vmi).unwrap_or("").to_string();
+                if let Some(msg) = self.over_limits(&source).await? {
+                    self.write(&mig, |s| {
+                        s.phase = Some(MigrationPhase::Pending);
+                        set_condition(
+                            &mut s.conditions,
+                            "Ready",
+                            ConditionStatus::False,
+                            "MigrationLimit",
+                            &msg,
+                        );
+                    })
+                    .await?;
+                    return Ok(Action::RequeueAfter(Duration::from_secs(2)));
+                }
                 let target = match self.target(&vmi, &source).await? {
                     Ok(t) => t,
                     Err(msg) => {
@@ -276,11 +364,12 @@ impl Reconciler for MigrationController {
                         return Ok(Action::RequeueAfter(Duration::from_secs(15)));
                     }
                 };
+                let mode = MigrationMode::of(&vmi, &mig);
                 let ms = MigrationState {
                     source_node: Some(source.clone()),
                     target_node: Some(target.clone()),
                     start_timestamp: Some(now()),
-                    mode: Some(MigrationMode::Cold.as_str().into()),
+                    mode: Some(mode.as_str().into()),
                     migration_uid: Some(mine.clone()),
                     completed: Some(false),
                     ..Default::default()
@@ -298,7 +387,7 @@ impl Reconciler for MigrationController {
                         },
                     )
                     .await?;
-                info!(migration = %key, %source, %target, "cold migration scheduled");
+                info!(migration = %key, %source, %target, mode = mode.as_str(), "migration scheduled");
                 self.write(&mig, |s| {
                     s.phase = Some(MigrationPhase::Scheduled);
                     s.migration_state = Some(ms);
@@ -316,6 +405,14 @@ impl Reconciler for MigrationController {
             _ if ours => {
                 let ms = state.unwrap_or_default();
                 let target = ms.target_node.clone().unwrap_or_default();
+                if ms.failed == Some(true) {
+                    let why = ms
+                        .failure_reason
+                        .clone()
+                        .unwrap_or_else(|| "the live migration failed".into());
+                    let msg = format!("{why}; the instance runs on, on its source node");
+                    return self.fail(&mig, "MigrationFailed", &msg).await;
+                }
                 if vphase == Some(VmiPhase::Running) && vmi_node(&vmi) == Some(target.as_str()) {
                     let mut done = ms.clone();
                     done.completed = Some(true);

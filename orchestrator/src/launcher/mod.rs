@@ -22,12 +22,14 @@
 //! process per replica like Longhorn's replica processes.
 
 pub mod metrics;
+mod migrate;
 pub mod protocol;
 mod run;
 
 pub use protocol::{
-    DiskStatus, LaunchDisk, LaunchFileDisk, LaunchSpec, LauncherCommand, LauncherPhase,
-    LauncherStatus,
+    DiskStatus, IncomingSpec, LaunchDisk, LaunchFileDisk, LaunchSpec, LauncherCommand,
+    LauncherMigration, LauncherPhase, LauncherStatus, MigrateCommand, MigrationProgress,
+    MigrationRole, migration_key,
 };
 pub use run::{LauncherError, ReplicaArgs, connect, run_replica, run_vm};
 

@@ -34,6 +34,33 @@ pub struct LaunchSpec {
     pub secret_file: Option<PathBuf>,
     /// The launcher's directory (see [`super::files`]).
     pub dir: PathBuf,
+    /// Receive the VM from a live migration instead of booting it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incoming: Option<IncomingSpec>,
+}
+
+/// How a live-migration target launcher waits for its source.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct IncomingSpec {
+    /// Where to listen (port 0: any); reported in
+    /// [`LauncherMigration::address`] once bound.
+    pub listen: SocketAddr,
+    /// Uid of the migration: both sides derive the link key from it and
+    /// the replication secret.
+    pub migration_uid: String,
+    /// Give up when no source connected for this long.
+    #[serde(default = "default_accept_timeout")]
+    pub accept_timeout_secs: u64,
+}
+
+fn default_accept_timeout() -> u64 {
+    120
+}
+
+/// The link key of migration `uid`, derived from the replication secret.
+pub fn migration_key(secret: &sheaf_blockrepl::net::Secret, uid: &str) -> [u8; 32] {
+    secret.derive_key(format!("sheaf-live-migration/{uid}").as_bytes())
 }
 
 /// One volume to attach.
@@ -56,6 +83,9 @@ pub struct LaunchDisk {
     /// Offer read-only.
     #[serde(default)]
     pub read_only: bool,
+    /// Size in bytes (what a migration target offers before it attaches).
+    #[serde(default)]
+    pub size_bytes: u64,
 }
 
 /// A host file to attach as a disk (a cloud-init seed image).
@@ -138,6 +168,65 @@ pub struct LauncherStatus {
     /// Why the last command failed (`None`: it succeeded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub command_error: Option<String>,
+    /// The live migration this launcher sends or receives, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<LauncherMigration>,
+}
+
+/// Which end of a live migration a launcher is.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MigrationRole {
+    /// Sends its running guest.
+    Source,
+    /// Receives it.
+    Target,
+}
+
+/// Where a live migration stands, as one launcher sees it.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MigrationProgress {
+    /// Target: listening for the source.
+    Listening,
+    /// Memory and state are moving.
+    Running,
+    /// Source: the guest runs on the target and stopped here. Target: the
+    /// guest runs here.
+    Succeeded,
+    /// It failed; the source's guest runs on (the target never started).
+    Failed,
+    /// Source: committed but the target's confirmation is missing; the
+    /// guest stays paused here until the target is known not to run.
+    InDoubt,
+}
+
+/// A launcher's live migration.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct LauncherMigration {
+    /// Uid of the migration.
+    pub migration_uid: String,
+    /// Source or target.
+    pub role: MigrationRole,
+    /// Where it stands.
+    pub progress: MigrationProgress,
+    /// Target: the bound listen address; source: the target's address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<SocketAddr>,
+    /// Source, once done: the guest's pause (µs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downtime_us: Option<u64>,
+    /// Source, once done: the whole migration (ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_ms: Option<u64>,
+    /// Source, once done: passes over RAM (the stop-and-copy included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passes: Option<u32>,
+    /// Source, once done: bytes sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 impl LauncherStatus {
@@ -159,8 +248,8 @@ impl LauncherStatus {
 }
 
 /// A command from the agent (or any client of `control.sock`), one JSON
-/// line each (`"Stop"`, `"Pause"`, `"Resume"`).
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+/// line each (`"Stop"`, `"Pause"`, `"Resume"`, `{"Migrate":{...}}`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 pub enum LauncherCommand {
     /// Stop the VM, detach the volumes, exit.
     Stop,
@@ -168,4 +257,22 @@ pub enum LauncherCommand {
     Pause,
     /// Resume a paused guest.
     Resume,
+    /// Live-migrate the guest to a target launcher (status `migration`).
+    Migrate(MigrateCommand),
+}
+
+/// Where and how to live-migrate.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrateCommand {
+    /// The target launcher's listen address.
+    pub target: SocketAddr,
+    /// Uid of the migration (the link key is derived from it).
+    pub migration_uid: String,
+    /// Send rate cap, bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth_bytes_per_sec: Option<u64>,
+    /// Longest acceptable guest pause, ms (default 300).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downtime_budget_ms: Option<u64>,
 }

@@ -27,9 +27,10 @@ use super::files;
 use super::metrics::{DiskIoStats, IoMetrics};
 use super::protocol::{
     DiskStatus, LaunchFileDisk, LaunchSpec, LauncherCommand, LauncherPhase, LauncherStatus,
+    MigrationProgress,
 };
 use crate::runtime::{
-    self, AttachedDisk, ConsoleInput, ConsoleLog, DiskBacking, RunningVm, RuntimeContext, VmExit,
+    self, AttachedDisk, ConsoleInput, ConsoleLog, DiskBacking, RuntimeContext, VmExit,
 };
 
 /// Launcher failures that prevent it from reporting at all.
@@ -52,13 +53,13 @@ fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> LauncherError {
     move |source| LauncherError::Io { op, source }
 }
 
-struct Reporter {
+pub(super) struct Reporter {
     dir: PathBuf,
-    tx: watch::Sender<LauncherStatus>,
+    pub(super) tx: watch::Sender<LauncherStatus>,
 }
 
 impl Reporter {
-    fn publish(&self, f: impl FnOnce(&mut LauncherStatus)) {
+    pub(super) fn publish(&self, f: impl FnOnce(&mut LauncherStatus)) {
         let mut st = self.tx.borrow().clone();
         f(&mut st);
         if let Err(e) = st.save(&self.dir) {
@@ -207,6 +208,7 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
         paused: false,
         commands: 0,
         command_error: None,
+        migration: None,
     };
     let (tx, rx) = watch::channel(initial);
     let rep = Reporter {
@@ -251,31 +253,6 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
         },
         None => None,
     };
-    // Attach every volume with (at least) the epoch the control plane granted.
-    let mut vols = Vec::new();
-    for d in &spec.disks {
-        let Some(secret) = secret.clone() else {
-            return fail("volumes need a replication secret".into());
-        };
-        let mut cfg = VolumeConfig::remote(&d.replicas, secret);
-        cfg.min_epoch = d.epoch.saturating_sub(1);
-        cfg.min_write_replicas = d
-            .min_write_replicas
-            .map(|w| w.clamp(1, d.replicas.len().max(1)));
-        cfg.attach_timeout = Duration::from_secs(20);
-        match rt.block_on(Volume::attach(cfg)) {
-            Ok(v) => vols.push(v),
-            Err(e) => {
-                for v in vols {
-                    let _ = rt.block_on(v.detach());
-                }
-                return fail(format!("attaching volume {}: {e}", d.volume));
-            }
-        }
-    }
-    let disks = disk_status(&rt, &spec, &vols);
-    info!(disks = ?disks.iter().map(|d| (&d.volume, d.epoch)).collect::<Vec<_>>(), "volumes attached");
-    rep.publish(|s| s.disks = disks);
     let console = match ConsoleLog::open(&dir.join(files::CONSOLE)) {
         Ok(c) => c,
         Err(e) => return fail(format!("console log: {e}")),
@@ -286,29 +263,62 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
         console,
     };
     let io_stats: Vec<Arc<DiskIoStats>> = spec.disks.iter().map(|_| Arc::default()).collect();
-    let volumes = spec
-        .disks
-        .iter()
-        .zip(&vols)
-        .zip(&io_stats)
-        .map(|((d, v), st)| AttachedDisk {
-            name: d.name.clone(),
-            serial: d.serial.clone(),
-            disk: DiskBacking::Volume(Disk::new(v.clone())),
-            read_only: d.read_only,
-            io_stats: st.clone(),
-        })
-        .collect();
-    let attached = guest_disk_order(volumes, &spec.file_disks);
+    let (mut vm, vols) = if let Some(inc) = &spec.incoming {
+        let ends = super::migrate::Ends {
+            rt: &rt,
+            spec: &spec,
+            secret: secret.as_ref(),
+            runtime: &*runtime,
+            ctx: &ctx,
+            io_stats: &io_stats,
+            rep: &rep,
+        };
+        match ends.receive(inc, &cmd_rx) {
+            Ok(v) => v,
+            Err(reason) => {
+                rep.publish(|s| {
+                    if let Some(m) = s.migration.as_mut() {
+                        m.progress = MigrationProgress::Failed;
+                        m.reason = Some(reason.clone());
+                    }
+                });
+                return fail(reason);
+            }
+        }
+    } else {
+        // Attach every volume with (at least) the epoch the control plane granted.
+        let vols = match attach_volumes(rt.handle(), &spec, secret.as_ref()) {
+            Ok(v) => v,
+            Err(e) => return fail(e),
+        };
+        publish_disks(&rt, &rep, &spec, &vols);
+        let volumes = spec
+            .disks
+            .iter()
+            .zip(&vols)
+            .zip(&io_stats)
+            .map(|((d, v), st)| AttachedDisk {
+                name: d.name.clone(),
+                serial: d.serial.clone(),
+                disk: DiskBacking::Volume(Disk::new(v.clone())),
+                read_only: d.read_only,
+                io_stats: st.clone(),
+            })
+            .collect();
+        let attached = guest_disk_order(volumes, &spec.file_disks);
+        match runtime.start(&spec.vm, attached, &ctx) {
+            Ok(vm) => (vm, vols),
+            Err(e) => {
+                detach_all(&rt, vols);
+                return fail(format!("starting the VM: {}", error_chain(&e)));
+            }
+        }
+    };
     let io = IoReport {
         spec: &spec,
         stats: &io_stats,
         timed: runtime.times_disk_io(),
         last: std::cell::RefCell::new(None),
-    };
-    let mut vm: Box<dyn RunningVm> = match runtime.start(&spec.vm, attached, &ctx) {
-        Ok(vm) => vm,
-        Err(e) => return fail(format!("starting the VM: {}", error_chain(&e))),
     };
     rep.publish(|s| s.phase = LauncherPhase::Running);
     info!(instance = %spec.instance, runtime = %spec.runtime, "VM running");
@@ -347,6 +357,11 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
                     s.command_error = res.err();
                 });
             }
+            Ok(LauncherCommand::Migrate(m)) => {
+                if let Some(exit) = super::migrate::send(&mut vm, &m, secret.as_ref(), &rep) {
+                    break exit;
+                }
+            }
             Err(_) => {}
         }
         if last_check.elapsed() >= Duration::from_secs(1) {
@@ -370,16 +385,64 @@ pub fn run_vm(spec: LaunchSpec) -> Result<VmExit, LauncherError> {
     };
     drop(vm);
     io.save();
+    detach_all(&rt, vols);
+    finish(exit)
+}
+
+/// Attaches every volume of `spec` with (at least) the epoch the control
+/// plane granted; on failure detaches those already attached.
+pub(super) fn attach_volumes(
+    rt: &tokio::runtime::Handle,
+    spec: &LaunchSpec,
+    secret: Option<&Secret>,
+) -> Result<Vec<Volume>, String> {
+    let mut vols = Vec::new();
+    for d in &spec.disks {
+        let Some(secret) = secret.cloned() else {
+            return Err("volumes need a replication secret".into());
+        };
+        let mut cfg = VolumeConfig::remote(&d.replicas, secret);
+        cfg.min_epoch = d.epoch.saturating_sub(1);
+        cfg.min_write_replicas = d
+            .min_write_replicas
+            .map(|w| w.clamp(1, d.replicas.len().max(1)));
+        cfg.attach_timeout = Duration::from_secs(20);
+        match rt.block_on(Volume::attach(cfg)) {
+            Ok(v) => vols.push(v),
+            Err(e) => {
+                for v in vols {
+                    let _ = rt.block_on(v.detach());
+                }
+                return Err(format!("attaching volume {}: {e}", d.volume));
+            }
+        }
+    }
+    Ok(vols)
+}
+
+/// Detaches `vols` (each given 5 s).
+pub(super) fn detach_all(rt: &tokio::runtime::Runtime, vols: Vec<Volume>) {
     for v in vols {
         let _ =
             rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), v.detach()).await });
     }
-    finish(exit)
+}
+
+/// Publishes the engines' view of `vols`.
+pub(super) fn publish_disks(
+    rt: &tokio::runtime::Runtime,
+    rep: &Reporter,
+    spec: &LaunchSpec,
+    vols: &[Volume],
+) {
+    let disks = disk_status(rt, spec, vols);
+    info!(disks = ?disks.iter().map(|d| (&d.volume, d.epoch)).collect::<Vec<_>>(), "volumes attached");
+    rep.publish(|s| s.disks = disks);
 }
 
 /// `e` and its sources, `: `-separated (a source already shown at the end
 /// of the text is not repeated), so the reason names the root cause.
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
@@ -395,7 +458,10 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 /// The guest's disks: the volumes in their order, each file disk inserted
 /// at its `position` (clamped to the end).
-fn guest_disk_order(mut disks: Vec<AttachedDisk>, files: &[LaunchFileDisk]) -> Vec<AttachedDisk> {
+pub(super) fn guest_disk_order(
+    mut disks: Vec<AttachedDisk>,
+    files: &[LaunchFileDisk],
+) -> Vec<AttachedDisk> {
     let mut files: Vec<&LaunchFileDisk> = files.iter().collect();
     files.sort_by_key(|f| f.position);
     for f in files {

@@ -19,6 +19,7 @@
 //! memory (`memory-backend-memfd`), so it is a per-runtime option later.
 
 mod console;
+mod late;
 pub mod qemu;
 pub mod vmm;
 
@@ -83,6 +84,56 @@ pub enum DiskBacking {
     Volume(Disk),
     /// A raw image file on the node (a cloud-init seed).
     File(PathBuf),
+    /// A volume of an incoming live migration, attached only at the
+    /// switch-over (see [`DeferredVolume`]).
+    Deferred(Arc<DeferredVolume>),
+}
+
+/// A volume the target of a live migration attaches only once the source
+/// has committed (its guest paused for good, its I/O drained): attaching
+/// takes the volume's write lease at a new epoch, which fences the source's
+/// engine, so it must not happen while the source still runs the guest.
+/// Until [`DeferredVolume::fill`] the guest's disk has the source's size
+/// and fails every request (the target's vCPUs do not run before it).
+#[derive(Debug)]
+pub struct DeferredVolume {
+    size: u64,
+    disk: std::sync::OnceLock<Disk>,
+}
+
+impl DeferredVolume {
+    /// A volume of `size` bytes (what the source's guest sees).
+    pub fn new(size: u64) -> Arc<Self> {
+        Arc::new(DeferredVolume {
+            size,
+            disk: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// The size the guest sees.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Hands over the attached engine; refused if its size differs from
+    /// the source's or it was already filled.
+    pub fn fill(&self, disk: Disk) -> Result<(), String> {
+        if disk.size() != self.size {
+            return Err(format!(
+                "the attached volume has {} bytes, the migrated guest's disk {}",
+                disk.size(),
+                self.size
+            ));
+        }
+        self.disk
+            .set(disk)
+            .map_err(|_| "the volume was already attached".to_string())
+    }
+
+    /// The engine, once attached.
+    pub fn get(&self) -> Option<&Disk> {
+        self.disk.get()
+    }
 }
 
 /// A disk offered to the guest: a volume attached by the launcher, or a
@@ -184,6 +235,23 @@ pub trait VmRuntime: Send + Sync + fmt::Debug {
         disks: Vec<AttachedDisk>,
         ctx: &RuntimeContext,
     ) -> Result<Box<dyn RunningVm>, RuntimeError>;
+    /// Receives a VM live-migrated by [`RunningVm::migrate`] over `conn`
+    /// and returns it running; `cfg.before_start` runs at the switch-over.
+    /// Volumes come as [`DiskBacking::Deferred`].
+    fn receive_migration(
+        &self,
+        spec: &VmSpec,
+        disks: Vec<AttachedDisk>,
+        ctx: &RuntimeContext,
+        conn: std::net::TcpStream,
+        cfg: &sheaf_vmm::MigrationConfig,
+    ) -> Result<Box<dyn RunningVm>, RuntimeError> {
+        let _ = (spec, disks, ctx, conn, cfg);
+        Err(RuntimeError::Unsupported {
+            runtime: self.name(),
+            what: "receiving a live migration".into(),
+        })
+    }
 }
 
 /// Types bytes into a guest's serial input; blocks until every byte was
@@ -202,6 +270,22 @@ pub trait RunningVm: Send + fmt::Debug {
     fn resume(&mut self) -> Result<(), RuntimeError>;
     /// The guest's serial input, if the runtime has one.
     fn console_input(&self) -> Option<ConsoleInput>;
+    /// Live-migrates the guest to a target listening at the other end of
+    /// `conn` ([`VmRuntime::receive_migration`]). `Ok`: the guest runs on
+    /// the target and stopped here. On error the guest runs here as
+    /// before, except after an in-doubt commit (it stays paused; see
+    /// [`sheaf_vmm::MigrationError::InDoubt`]).
+    fn migrate(
+        &mut self,
+        conn: std::net::TcpStream,
+        cfg: &sheaf_vmm::MigrationConfig,
+    ) -> Result<sheaf_vmm::MigrationReport, RuntimeError> {
+        let _ = (conn, cfg);
+        Err(RuntimeError::Unsupported {
+            runtime: "qemu",
+            what: "live migration (only sheaf-vmm guests migrate live)".into(),
+        })
+    }
 }
 
 /// The runtime called `name`.

@@ -148,6 +148,12 @@ impl VmRuntime for QemuRuntime {
                     "driver=raw,file.driver=file,file.filename={}",
                     qemu_opt(&path.display().to_string())
                 ),
+                DiskBacking::Deferred(_) => {
+                    return Err(RuntimeError::Unsupported {
+                        runtime: "qemu",
+                        what: "a volume attached at a live-migration switch-over".into(),
+                    });
+                }
             };
             drives.push((i, blockdev, d.serial, d.read_only));
         }

@@ -47,7 +47,7 @@ impl std::fmt::Debug for VmmVm {
 /// Times every request the guest makes to a volume from submission to
 /// completion (guest I/O latency: the engine's replication included, the
 /// virtqueue excluded), requests in flight overlapping.
-struct TimedBackend {
+pub(super) struct TimedBackend {
     inner: AsyncVolumeBackend,
     stats: Arc<DiskIoStats>,
     /// token → (start, which histogram, bytes).
@@ -68,7 +68,7 @@ enum Op {
 }
 
 impl TimedBackend {
-    fn new(inner: AsyncVolumeBackend, stats: Arc<DiskIoStats>) -> Self {
+    pub(super) fn new(inner: AsyncVolumeBackend, stats: Arc<DiskIoStats>) -> Self {
         TimedBackend {
             inner,
             stats,
@@ -168,70 +168,104 @@ impl VmRuntime for VmmRuntime {
         disks: Vec<AttachedDisk>,
         ctx: &RuntimeContext,
     ) -> Result<Box<dyn RunningVm>, RuntimeError> {
-        let mut b = VmConfig::builder()
-            .name(&spec.name)
-            .vcpus(spec.vcpus.max(1))
-            .memory_mib(spec.memory_mib.max(16));
-        b = match spec.boot_disk {
-            // The kernel, initramfs and root=UUID come from inside the disk.
-            Some(i) => b.boot_from_disk(i, None),
-            None => b.kernel(&spec.kernel),
-        };
-        let mut b = b
-            .cmdline(&spec.cmdline)
-            // The probe guest finds its disks on the command line; Linux
-            // finds them in ACPI and ignores the parameter.
-            .cmdline_virtio_devices(true)
-            .boot_protocol(BootProtocol::Linux64);
-        if let Some(i) = &spec.initramfs {
-            b = b.initramfs(i);
-        }
-        for n in &spec.nets {
-            b = b.net_config(sheaf_vmm::NetConfig {
-                tap: n.tap.clone(),
-                mac: Some(n.mac.clone()),
-            });
-        }
-        let cfg = b.build().map_err(|e| RuntimeError::Config(e.to_string()))?;
-        let mut vb = Vm::builder(cfg);
-        // In the guest's disk order: volumes and files interleave.
-        for d in disks {
-            match d.disk {
-                DiskBacking::Volume(disk) => {
-                    let backend = VolumeBackend::new(disk, ctx.io.clone(), &d.serial)
-                        .with_read_only(d.read_only);
-                    vb = vb.async_disk_backend(Arc::new(TimedBackend::new(
-                        backend.into_async(),
-                        d.io_stats,
-                    )));
-                }
-                DiskBacking::File(path) => {
-                    // A seed of a few MiB, read once at boot: served inline
-                    // on the device thread, no I/O threads of its own.
-                    let cfg = DiskConfig {
-                        path: path.clone(),
-                        read_only: d.read_only,
-                        id: Some(d.serial.clone()),
-                        io_engine: IoEngine::Sync,
-                        io_threads: None,
-                        queues: None,
-                    };
-                    let backend = open_disk(&cfg).map_err(|e| RuntimeError::Disk {
-                        disk: d.name.clone(),
-                        message: format!("{}: {e}", path.display()),
-                    })?;
-                    vb = vb.async_disk_backend(backend);
-                }
-            }
-        }
-        let console = ctx.console.clone();
-        vb = vb.serial_sink(SerialSink::Callback(Box::new(move |b: &[u8]| {
-            console.write(b)
-        })));
-        let vm = vb.create()?;
+        let vm = builder(spec, disks, ctx)?.create()?;
         vm.start()?;
         Ok(Box::new(VmmVm { vm: Arc::new(vm) }))
     }
+
+    fn receive_migration(
+        &self,
+        spec: &VmSpec,
+        disks: Vec<AttachedDisk>,
+        ctx: &RuntimeContext,
+        conn: std::net::TcpStream,
+        cfg: &sheaf_vmm::MigrationConfig,
+    ) -> Result<Box<dyn RunningVm>, RuntimeError> {
+        let vm = builder(spec, disks, ctx)?.receive_migration(conn, cfg)?;
+        Ok(Box::new(VmmVm { vm: Arc::new(vm) }))
+    }
+}
+
+/// The VM of `spec` with `disks`, not created yet. Every VM tracks its
+/// dirty pages so that it can migrate live (KVM then maps guest RAM with
+/// small pages; the log is only read during a migration).
+fn builder(
+    spec: &VmSpec,
+    disks: Vec<AttachedDisk>,
+    ctx: &RuntimeContext,
+) -> Result<sheaf_vmm::VmBuilder, RuntimeError> {
+    let mut b = VmConfig::builder()
+        .name(&spec.name)
+        .vcpus(spec.vcpus.max(1))
+        .memory_mib(spec.memory_mib.max(16))
+        .track_dirty_pages(true);
+    b = match spec.boot_disk {
+        // The kernel, initramfs and root=UUID come from inside the disk.
+        Some(i) => b.boot_from_disk(i, None),
+        None => b.kernel(&spec.kernel),
+    };
+    let mut b = b
+        .cmdline(&spec.cmdline)
+        // The probe guest finds its disks on the command line; Linux
+        // finds them in ACPI and ignores the parameter.
+        .cmdline_virtio_devices(true)
+        .boot_protocol(BootProtocol::Linux64);
+    if let Some(i) = &spec.initramfs {
+        b = b.initramfs(i);
+    }
+    for n in &spec.nets {
+        b = b.net_config(sheaf_vmm::NetConfig {
+            tap: n.tap.clone(),
+            mac: Some(n.mac.clone()),
+        });
+    }
+    let cfg = b.build().map_err(|e| RuntimeError::Config(e.to_string()))?;
+    let mut vb = Vm::builder(cfg);
+    // In the guest's disk order: volumes and files interleave.
+    for d in disks {
+        match d.disk {
+            DiskBacking::Volume(disk) => {
+                let backend =
+                    VolumeBackend::new(disk, ctx.io.clone(), &d.serial).with_read_only(d.read_only);
+                vb = vb.async_disk_backend(Arc::new(TimedBackend::new(
+                    backend.into_async(),
+                    d.io_stats,
+                )));
+            }
+            DiskBacking::Deferred(vol) => {
+                vb = vb.async_disk_backend(Arc::new(super::late::LateBackend::new(
+                    vol,
+                    ctx.io.clone(),
+                    d.serial.clone(),
+                    d.read_only,
+                    d.io_stats,
+                )));
+            }
+            DiskBacking::File(path) => {
+                // A seed of a few MiB, read once at boot: served inline
+                // on the device thread, no I/O threads of its own.
+                let cfg = DiskConfig {
+                    path: path.clone(),
+                    read_only: d.read_only,
+                    id: Some(d.serial.clone()),
+                    io_engine: IoEngine::Sync,
+                    io_threads: None,
+                    queues: None,
+                };
+                let backend = open_disk(&cfg).map_err(|e| RuntimeError::Disk {
+                    disk: d.name.clone(),
+                    message: format!("{}: {e}", path.display()),
+                })?;
+                vb = vb.async_disk_backend(backend);
+            }
+        }
+    }
+    let console = ctx.console.clone();
+    Ok(
+        vb.serial_sink(SerialSink::Callback(Box::new(move |b: &[u8]| {
+            console.write(b)
+        }))),
+    )
 }
 
 impl RunningVm for VmmVm {
@@ -253,6 +287,14 @@ impl RunningVm for VmmVm {
 
     fn resume(&mut self) -> Result<(), RuntimeError> {
         Ok(self.vm.resume()?)
+    }
+
+    fn migrate(
+        &mut self,
+        conn: std::net::TcpStream,
+        cfg: &sheaf_vmm::MigrationConfig,
+    ) -> Result<sheaf_vmm::MigrationReport, RuntimeError> {
+        Ok(self.vm.migrate(conn, cfg)?)
     }
 
     fn console_input(&self) -> Option<ConsoleInput> {

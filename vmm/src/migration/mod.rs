@@ -68,6 +68,11 @@ pub use transport::TransportError;
 /// migrating thread, so keep it short.
 pub type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;
 
+/// A hook the target runs after the source committed and before the vCPUs
+/// start ([`MigrationConfig::before_start`]); an `Err` aborts the
+/// migration (the source is told and resumes) with that message.
+pub type BeforeStartFn = Arc<dyn Fn() -> std::result::Result<(), String> + Send + Sync>;
+
 /// Settings of one migration (both sides use the same `key`).
 #[derive(Clone)]
 pub struct MigrationConfig {
@@ -86,6 +91,12 @@ pub struct MigrationConfig {
     pub io_timeout: Duration,
     /// Called at each phase change and after every pass (progress reporting).
     pub progress: Option<ProgressFn>,
+    /// Target only: runs once the source has committed (its guest is
+    /// paused for good and its I/O drained) and before this VM starts, the
+    /// place to take over resources only one side may hold (a volume's
+    /// write lease at a new epoch). An error makes the target refuse: it
+    /// tells the source, which resumes, and the target does not start.
+    pub before_start: Option<BeforeStartFn>,
 }
 
 impl MigrationConfig {
@@ -99,6 +110,7 @@ impl MigrationConfig {
             auto_converge: true,
             io_timeout: Duration::from_secs(30),
             progress: None,
+            before_start: None,
         }
     }
 
@@ -131,6 +143,7 @@ impl fmt::Debug for MigrationConfig {
             .field("auto_converge", &self.auto_converge)
             .field("io_timeout", &self.io_timeout)
             .field("progress", &self.progress.is_some())
+            .field("before_start", &self.before_start.is_some())
             .finish()
     }
 }
@@ -294,6 +307,9 @@ pub enum MigrationError {
         /// Target value.
         target_value: String,
     },
+    /// The target's [`MigrationConfig::before_start`] hook refused.
+    #[error("the target refused to start the VM: {0}")]
+    StartRefused(String),
     /// The settings are invalid.
     #[error("invalid migration config: {0}")]
     Config(String),

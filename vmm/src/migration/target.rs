@@ -43,7 +43,7 @@ impl VmBuilder {
                 return Err(received_failed(e));
             }
         };
-        match receive(&vm, &mut link) {
+        match receive(&vm, &mut link, cfg) {
             Ok(()) => {
                 tracing::info!(vm = %vm.name(), "migrated VM running here");
                 Ok(vm)
@@ -98,7 +98,7 @@ fn write_page(mem: &GuestMemory, gpa: u64, data: Option<&[u8]>) -> Result<()> {
         .map_err(|source| SnapshotError::GuestMemory { addr: gpa, source }.into())
 }
 
-fn receive(vm: &Vm, link: &mut SecureStream) -> Result<()> {
+fn receive(vm: &Vm, link: &mut SecureStream, cfg: &MigrationConfig) -> Result<()> {
     let mut buf = Vec::new();
     match recv(link, &mut buf)? {
         Msg::Hello {
@@ -191,6 +191,9 @@ fn receive(vm: &Vm, link: &mut SecureStream) -> Result<()> {
                 m.name()
             ))));
         }
+    }
+    if let Some(hook) = &cfg.before_start {
+        hook().map_err(|m| Error::Migration(MigrationError::StartRefused(m)))?;
     }
     vm.start()?;
     // Committed: the source will not resume on its own, so the guest runs

@@ -187,6 +187,21 @@ pub struct MigrationState {
     /// Uid of the migration object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration_uid: Option<String>,
+    /// Address the target listens on for the migration (live only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_node_address: Option<String>,
+    /// Ports the target listens on, port → 0 (KubeVirt's shape; live only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_direct_migration_node_ports: Option<std::collections::BTreeMap<String, i32>>,
+    /// The guest runs on the target (live only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_node_domain_detected: Option<bool>,
+    /// When the guest was seen running on the target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_node_domain_ready_timestamp: Option<Time>,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
 }
 
 /// When a phase was entered.

@@ -152,6 +152,14 @@ impl S3Target {
                 key: key.to_string(),
                 detail: source.to_string(),
             },
+            // Listing reports HTTP errors as `Generic`: recognise refused
+            // credentials by status and S3 error code.
+            e if is_auth_error(&e) => BackupError::Auth {
+                target: self.name.clone(),
+                op,
+                key: key.to_string(),
+                detail: e.to_string(),
+            },
             e => BackupError::Target {
                 target: self.name.clone(),
                 op,
@@ -160,6 +168,27 @@ impl S3Target {
             },
         }
     }
+}
+
+/// Whether an error (or one of its sources) is S3 refusing the
+/// credentials.
+fn is_auth_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    const MARKS: [&str; 5] = [
+        "403 Forbidden",
+        "401 Unauthorized",
+        "<Code>InvalidAccessKeyId</Code>",
+        "<Code>SignatureDoesNotMatch</Code>",
+        "<Code>AccessDenied</Code>",
+    ];
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        let text = err.to_string();
+        if MARKS.iter().any(|m| text.contains(m)) {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 #[async_trait::async_trait]

@@ -482,3 +482,63 @@ async fn progress_throttle_and_damaged_source() {
     );
     assert_eq!(backup::list(&*target, "vol-a").await.unwrap().len(), 1);
 }
+
+/// Throughput on this machine (run by hand: `--ignored --nocapture`): a
+/// fresh full backup of a 1 GiB volume to a directory, a 1 % incremental
+/// and a restore into a file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn dir_throughput_1gib() {
+    let blocks = 262_144u64;
+    let mut v = Vol::new(blocks);
+    for lba in (0..blocks).step_by(1024) {
+        v.write(lba, 1024, 1);
+    }
+    v.snapshot("s1");
+    let (_d, _dt, target) = dir_target();
+    let r1 = backup::backup(
+        &StoreSnapshot::new(&v.store, "s1").unwrap(),
+        &target,
+        "vol-a",
+        &full(),
+    )
+    .await
+    .unwrap();
+    let mib = |b: u64, d: Duration| b as f64 / f64::from(1 << 20) / d.as_secs_f64();
+    eprintln!(
+        "dir full 1 GiB: {:?} ({:.0} MiB/s), {} MiB stored",
+        r1.duration,
+        mib(r1.bytes_read, r1.duration),
+        r1.bytes_written >> 20
+    );
+    // 1 % of the blocks, in runs of 64 blocks spread over the volume.
+    for lba in (0..blocks - 64).step_by(6400) {
+        v.write(lba, 64, 2);
+    }
+    v.snapshot("s2");
+    let r2 = backup::backup(
+        &StoreSnapshot::new(&v.store, "s2").unwrap(),
+        &target,
+        "vol-a",
+        &BackupOptions::default(),
+    )
+    .await
+    .unwrap();
+    eprintln!(
+        "dir incremental 1 %: {:?}, {} chunks read, {} written",
+        r2.duration, r2.chunks_read, r2.chunks_written
+    );
+    let out = tempfile::tempdir().unwrap();
+    let img = out.path().join("img");
+    let t0 = Instant::now();
+    let mut sink = FileSink::create(&img, blocks).unwrap();
+    backup::restore(&target, "vol-a", &r2.id, &mut sink, &RestoreOptions::default())
+        .await
+        .unwrap();
+    eprintln!(
+        "dir restore 1 GiB: {:?} ({:.0} MiB/s)",
+        t0.elapsed(),
+        mib(1 << 30, t0.elapsed())
+    );
+    assert!(std::fs::read(&img).unwrap() == v.snapshot_bytes("s2"));
+}

@@ -532,9 +532,15 @@ async fn dir_throughput_1gib() {
     let img = out.path().join("img");
     let t0 = Instant::now();
     let mut sink = FileSink::create(&img, blocks).unwrap();
-    backup::restore(&target, "vol-a", &r2.id, &mut sink, &RestoreOptions::default())
-        .await
-        .unwrap();
+    backup::restore(
+        &target,
+        "vol-a",
+        &r2.id,
+        &mut sink,
+        &RestoreOptions::default(),
+    )
+    .await
+    .unwrap();
     eprintln!(
         "dir restore 1 GiB: {:?} ({:.0} MiB/s)",
         t0.elapsed(),

@@ -1,10 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-//! Backup, restore, catalog, delete, garbage collection and retention.
+//! Backup: planning (which chunks to read, reuse or skip), reading,
+//! hashing and compressing, uploading, and the manifest written last.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::fs::File;
-use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -15,12 +13,13 @@ use futures::stream::FuturesUnordered;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
+use super::catalog::{list, load_manifest};
 use super::manifest::FORMAT;
 use super::{
-    BackupError, BackupTarget, ChunkRef, Manifest, SnapshotRef, backups_prefix, check_volume_name,
-    chunk_key, chunks_prefix, manifest_key,
+    BackupError, BackupTarget, ChunkRef, Manifest, SnapshotRef, check_volume_name, chunk_key,
+    chunks_prefix, manifest_key,
 };
 use crate::store::Store;
 use crate::types::{BLOCK_SIZE, LayerInfo, Tag};
@@ -211,14 +210,14 @@ pub struct BackupReport {
 }
 
 /// Sleeps so that the bytes counted stay under a rate.
-struct Throttle {
+pub(super) struct Throttle {
     rate: Option<u64>,
     start: Instant,
     bytes: u64,
 }
 
 impl Throttle {
-    fn new(rate: Option<u64>) -> Throttle {
+    pub(super) fn new(rate: Option<u64>) -> Throttle {
         Throttle {
             rate: rate.filter(|&r| r > 0),
             start: Instant::now(),
@@ -226,7 +225,7 @@ impl Throttle {
         }
     }
 
-    async fn add(&mut self, n: u64) {
+    pub(super) async fn add(&mut self, n: u64) {
         let Some(rate) = self.rate else { return };
         self.bytes += n;
         let want = Duration::from_secs_f64(self.bytes as f64 / rate as f64);
@@ -237,7 +236,7 @@ impl Throttle {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(super) fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
     let mut s = String::with_capacity(bytes.len() * 2);
     for b in bytes {
@@ -246,7 +245,7 @@ fn hex(bytes: &[u8]) -> String {
     s
 }
 
-fn now_ms() -> u64 {
+pub(super) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -262,7 +261,7 @@ fn new_backup_id(volume: &str, snapshot: &str, ms: u64) -> String {
     format!("{ms:013}-{tail}")
 }
 
-fn check_id(id: &str) -> Result<(), BackupError> {
+pub(super) fn check_id(id: &str) -> Result<(), BackupError> {
     if !id.is_empty()
         && id.len() <= 64
         && !id.starts_with('.')
@@ -278,13 +277,17 @@ fn check_id(id: &str) -> Result<(), BackupError> {
     }
 }
 
-fn publish(progress: &Option<watch::Sender<BackupProgress>>, p: &BackupProgress) {
+pub(super) fn publish(progress: &Option<watch::Sender<BackupProgress>>, p: &BackupProgress) {
     if let Some(tx) = progress {
         tx.send_replace(p.clone());
     }
 }
 
-fn join_err(target: &dyn BackupTarget, op: &'static str, e: tokio::task::JoinError) -> BackupError {
+pub(super) fn join_err(
+    target: &dyn BackupTarget,
+    op: &'static str,
+    e: tokio::task::JoinError,
+) -> BackupError {
     BackupError::Target {
         target: target.describe(),
         op,
@@ -293,15 +296,104 @@ fn join_err(target: &dyn BackupTarget, op: &'static str, e: tokio::task::JoinErr
     }
 }
 
-/// Waits for one upload; returns its stored bytes.
-async fn next_upload(
-    target: &dyn BackupTarget,
-    inflight: &mut FuturesUnordered<JoinHandle<Result<u64, BackupError>>>,
-) -> Result<u64, BackupError> {
-    match inflight.next().await {
-        Some(Ok(r)) => r,
-        Some(Err(e)) => Err(join_err(target, "put", e)),
-        None => Ok(0),
+/// A chunk read, hashed and compressed.
+struct Hashed {
+    index: u64,
+    len: u32,
+    /// `None` for an all-zero chunk.
+    sha: Option<String>,
+    stored: Vec<u8>,
+}
+
+fn hash_chunk(index: u64, data: Vec<u8>) -> Hashed {
+    let len = data.len() as u32;
+    if data.iter().all(|&b| b == 0) {
+        return Hashed {
+            index,
+            len,
+            sha: None,
+            stored: Vec::new(),
+        };
+    }
+    Hashed {
+        index,
+        len,
+        sha: Some(hex(&Sha256::digest(&data))),
+        stored: lz4_flex::compress_prepend_size(&data),
+    }
+}
+
+/// The state of a running backup after planning.
+struct Run<'a> {
+    target: &'a Arc<dyn BackupTarget>,
+    volume: &'a str,
+    /// Chunk contents with a known stored form: hash -> ref.
+    known: HashMap<String, ChunkRef>,
+    /// Chunk objects on the target when the backup started: hash -> size.
+    on_target: HashMap<String, u64>,
+    refs: Vec<ChunkRef>,
+    report: BackupReport,
+    progress: BackupProgress,
+    data_bytes: u64,
+    inflight: FuturesUnordered<JoinHandle<Result<u64, BackupError>>>,
+    concurrency: usize,
+}
+
+impl Run<'_> {
+    /// Waits for one upload.
+    async fn next_upload(&mut self) -> Result<(), BackupError> {
+        let n = match self.inflight.next().await {
+            Some(Ok(r)) => r?,
+            Some(Err(e)) => return Err(join_err(&**self.target, "put", e)),
+            None => 0,
+        };
+        self.report.bytes_written += n;
+        self.progress.bytes_written += n;
+        Ok(())
+    }
+
+    /// Takes a hashed chunk: a hole, a known content, or an upload.
+    async fn hashed(&mut self, h: JoinHandle<Hashed>) -> Result<(), BackupError> {
+        let h = h.await.map_err(|e| join_err(&**self.target, "hash", e))?;
+        let Some(sha) = h.sha else {
+            self.report.holes += 1;
+            return Ok(());
+        };
+        self.data_bytes += u64::from(h.len);
+        if let Some(k) = self.known.get(&sha) {
+            self.report.chunks_deduped += 1;
+            self.refs.push(ChunkRef {
+                index: h.index,
+                ..k.clone()
+            });
+            return Ok(());
+        }
+        let stored_len = h.stored.len() as u64;
+        let r = ChunkRef {
+            index: h.index,
+            sha256: sha.clone(),
+            len: h.len,
+            stored_len,
+            crc32c: crc32c::crc32c(&h.stored),
+        };
+        self.known.insert(sha.clone(), r.clone());
+        self.refs.push(r);
+        if self.on_target.get(&sha) == Some(&stored_len) {
+            // Uploaded by an earlier attempt or backup.
+            self.report.chunks_deduped += 1;
+            return Ok(());
+        }
+        while self.inflight.len() >= self.concurrency {
+            self.next_upload().await?;
+        }
+        let t = Arc::clone(self.target);
+        let key = chunk_key(self.volume, &sha);
+        let stored = Bytes::from(h.stored);
+        self.inflight.push(tokio::spawn(async move {
+            t.put(&key, stored).await.map(|()| stored_len)
+        }));
+        self.report.chunks_written += 1;
+        Ok(())
     }
 }
 
@@ -319,7 +411,7 @@ enum Plan<'m> {
 /// uploads those whose content is not on the target yet, and writes the
 /// manifest last. On any error the backup stops, in-flight uploads are
 /// aborted and no manifest is written: the chunks it did upload are reused
-/// by the next attempt or removed by [`gc`]. Do not run [`gc`] with a
+/// by the next attempt or removed by [`gc`](super::gc). Do not run `gc` with a
 /// `grace` shorter than a backup takes while a backup of the volume runs.
 ///
 /// Runs on a tokio runtime (uploads are spawned tasks); reads of the
@@ -398,7 +490,7 @@ pub async fn backup(
         target = %target.describe(),
         "backup starting"
     );
-    let mut report = BackupReport {
+    let report = BackupReport {
         id: String::new(),
         parent: parent.as_ref().map(|p| p.id.clone()),
         chunks_total: nchunks,
@@ -411,96 +503,80 @@ pub async fn backup(
         bytes_written: 0,
         duration: Duration::ZERO,
     };
-    let mut progress = BackupProgress {
+    let progress = BackupProgress {
         chunks_total: nchunks,
         ..BackupProgress::default()
     };
     let mut throttle = Throttle::new(opts.throttle_bytes_per_sec);
-    let mut refs: Vec<ChunkRef> = Vec::new();
-    let mut data_bytes = 0u64;
-    let mut inflight = FuturesUnordered::new();
-    let concurrency = opts.concurrency.max(1);
-    let mut buf = vec![0u8; chunk_blocks as usize * BLOCK_SIZE];
+    let mut run = Run {
+        target,
+        volume,
+        known,
+        on_target,
+        refs: Vec::new(),
+        report,
+        progress,
+        data_bytes: 0,
+        inflight: FuturesUnordered::new(),
+        concurrency: opts.concurrency.max(1),
+    };
+    // Chunks read and being hashed and compressed on the blocking pool,
+    // in chunk order.
+    let mut hashing: VecDeque<JoinHandle<Hashed>> = VecDeque::new();
     let result: Result<(), BackupError> = async {
         for c in 0..nchunks {
             match plan(c) {
-                Plan::Hole => report.holes += 1,
+                Plan::Hole => run.report.holes += 1,
                 Plan::Reuse(r) => {
-                    report.chunks_reused += 1;
-                    data_bytes += u64::from(r.len);
-                    refs.push(r.clone());
+                    run.report.chunks_reused += 1;
+                    run.data_bytes += u64::from(r.len);
+                    run.refs.push(r.clone());
                 }
                 Plan::Read => {
                     let lba = c * cb;
                     let n = (size_blocks - lba).min(cb) as u32;
                     let len = n as usize * BLOCK_SIZE;
-                    let data = &mut buf[..len];
-                    source.read(lba, n, data)?;
+                    let mut data = vec![0u8; len];
+                    source.read(lba, n, &mut data)?;
                     throttle.add(len as u64).await;
-                    report.chunks_read += 1;
-                    report.bytes_read += len as u64;
-                    progress.bytes_read += len as u64;
-                    if data.iter().all(|&b| b == 0) {
-                        report.holes += 1;
-                    } else {
-                        data_bytes += len as u64;
-                        let sha = hex(&Sha256::digest(&*data));
-                        if let Some(k) = known.get(&sha) {
-                            report.chunks_deduped += 1;
-                            refs.push(ChunkRef {
-                                index: c,
-                                ..k.clone()
-                            });
-                        } else {
-                            let stored = lz4_flex::compress_prepend_size(data);
-                            let r = ChunkRef {
-                                index: c,
-                                sha256: sha.clone(),
-                                len: len as u32,
-                                stored_len: stored.len() as u64,
-                                crc32c: crc32c::crc32c(&stored),
-                            };
-                            known.insert(sha.clone(), r.clone());
-                            refs.push(r);
-                            if on_target.get(&sha) == Some(&(stored.len() as u64)) {
-                                // Uploaded by an earlier attempt or backup.
-                                report.chunks_deduped += 1;
-                            } else {
-                                while inflight.len() >= concurrency {
-                                    let n = next_upload(&**target, &mut inflight).await?;
-                                    report.bytes_written += n;
-                                    progress.bytes_written += n;
-                                }
-                                let t = Arc::clone(target);
-                                let key = chunk_key(volume, &sha);
-                                let n = stored.len() as u64;
-                                inflight.push(tokio::spawn(async move {
-                                    t.put(&key, Bytes::from(stored)).await.map(|()| n)
-                                }));
-                                report.chunks_written += 1;
-                            }
+                    run.report.chunks_read += 1;
+                    run.report.bytes_read += len as u64;
+                    run.progress.bytes_read += len as u64;
+                    hashing.push_back(tokio::task::spawn_blocking(move || hash_chunk(c, data)));
+                    while hashing.len() > run.concurrency {
+                        if let Some(h) = hashing.pop_front() {
+                            run.hashed(h).await?;
                         }
                     }
                 }
             }
-            progress.chunks_done = c + 1;
-            publish(&opts.progress, &progress);
+            run.progress.chunks_done = c + 1;
+            publish(&opts.progress, &run.progress);
         }
-        while !inflight.is_empty() {
-            let n = next_upload(&**target, &mut inflight).await?;
-            report.bytes_written += n;
-            progress.bytes_written += n;
+        while let Some(h) = hashing.pop_front() {
+            run.hashed(h).await?;
+        }
+        while !run.inflight.is_empty() {
+            run.next_upload().await?;
         }
         Ok(())
     }
     .await;
     if let Err(e) = result {
-        for h in inflight.iter() {
+        for h in run.inflight.iter() {
             h.abort();
         }
         warn!(volume, snapshot = %snap.name, error = %e, "backup failed: no manifest written");
         return Err(e);
     }
+    let Run {
+        mut refs,
+        mut report,
+        mut progress,
+        data_bytes,
+        ..
+    } = run;
+    refs.sort_unstable_by_key(|r| r.index);
     let created = now_ms();
     let id = new_backup_id(volume, &snap.name, created);
     let manifest = Manifest {
@@ -536,404 +612,5 @@ pub async fn backup(
         secs = report.duration.as_secs_f64(),
         "backup done"
     );
-    Ok(report)
-}
-
-/// Reads and checks the manifest of backup `id` of `volume`.
-pub async fn load_manifest(
-    target: &dyn BackupTarget,
-    volume: &str,
-    id: &str,
-) -> Result<Manifest, BackupError> {
-    check_volume_name(volume)?;
-    check_id(id)?;
-    let key = manifest_key(volume, id);
-    let bytes = target.get(&key).await?;
-    let m = Manifest::decode(&key, &bytes)?;
-    if m.volume != volume || m.id != id {
-        return Err(BackupError::CorruptManifest {
-            key,
-            reason: format!("names backup {}/{}", m.volume, m.id),
-        });
-    }
-    Ok(m)
-}
-
-/// The catalog: every backup of `volume` on the target, oldest first, read
-/// from the target alone. A manifest that cannot be read is an error naming
-/// it (so [`gc`] never runs on a partial catalog).
-pub async fn list(target: &dyn BackupTarget, volume: &str) -> Result<Vec<Manifest>, BackupError> {
-    check_volume_name(volume)?;
-    let mut ids: Vec<String> = target
-        .list(&backups_prefix(volume))
-        .await?
-        .into_iter()
-        .filter_map(|o| {
-            let name = o.key.rsplit('/').next()?;
-            name.strip_suffix(".json").map(str::to_string)
-        })
-        .collect();
-    ids.sort();
-    let mut out = Vec::with_capacity(ids.len());
-    for id in ids {
-        out.push(load_manifest(target, volume, &id).await?);
-    }
-    Ok(out)
-}
-
-/// Deletes backup `id` of `volume` (its manifest). Other backups stay
-/// complete, also later incrementals of it: every manifest lists all its
-/// chunks. Space comes back with [`gc`].
-pub async fn delete(target: &dyn BackupTarget, volume: &str, id: &str) -> Result<(), BackupError> {
-    check_volume_name(volume)?;
-    check_id(id)?;
-    let key = manifest_key(volume, id);
-    // NotFound if there is no such backup.
-    target.get(&key).await?;
-    target.delete(&key).await?;
-    info!(volume, id, "backup deleted");
-    Ok(())
-}
-
-/// What [`gc`] did.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct GcReport {
-    /// Chunks still referenced by a backup.
-    pub chunks_kept: u64,
-    /// Unreferenced chunks deleted.
-    pub chunks_deleted: u64,
-    /// Their stored bytes.
-    pub bytes_deleted: u64,
-    /// Unreferenced chunks younger than the grace period, left in place.
-    pub chunks_young: u64,
-}
-
-/// Deletes the chunks of `volume` that no backup references and that are
-/// older than `grace` (so the chunks of a backup still running survive).
-pub async fn gc(
-    target: &dyn BackupTarget,
-    volume: &str,
-    grace: Duration,
-) -> Result<GcReport, BackupError> {
-    let manifests = list(target, volume).await?;
-    let referenced: HashSet<&str> = manifests
-        .iter()
-        .flat_map(|m| m.chunks.iter().map(|c| c.sha256.as_str()))
-        .collect();
-    let now = SystemTime::now();
-    let mut report = GcReport::default();
-    for o in target.list(&chunks_prefix(volume)).await? {
-        let sha = o.key.rsplit('/').next().unwrap_or_default();
-        if referenced.contains(sha) {
-            report.chunks_kept += 1;
-        } else if now.duration_since(o.modified).unwrap_or_default() < grace {
-            report.chunks_young += 1;
-        } else {
-            target.delete(&o.key).await?;
-            report.chunks_deleted += 1;
-            report.bytes_deleted += o.size;
-        }
-    }
-    info!(volume, ?report, "backup gc done");
-    Ok(report)
-}
-
-/// Keeps the newest `keep` backups of `volume`, deletes the older ones and
-/// then runs [`gc`]. Returns the deleted ids and the gc report.
-pub async fn retain(
-    target: &dyn BackupTarget,
-    volume: &str,
-    keep: usize,
-    grace: Duration,
-) -> Result<(Vec<String>, GcReport), BackupError> {
-    let manifests = list(target, volume).await?;
-    let drop_n = manifests.len().saturating_sub(keep);
-    let mut deleted = Vec::with_capacity(drop_n);
-    for m in &manifests[..drop_n] {
-        target.delete(&manifest_key(volume, &m.id)).await?;
-        deleted.push(m.id.clone());
-    }
-    let report = gc(target, volume, grace).await?;
-    Ok((deleted, report))
-}
-
-/// Where a restore writes. Writes come in ascending block order.
-pub trait RestoreSink {
-    /// Writes `data` (whole blocks) at block `lba`.
-    fn write(&mut self, lba: u64, data: &[u8]) -> Result<(), BackupError>;
-    /// Makes `nblocks` blocks at `lba` read as zeros.
-    fn zero(&mut self, lba: u64, nblocks: u64) -> Result<(), BackupError>;
-    /// Called once after the last write (sync).
-    fn finish(&mut self) -> Result<(), BackupError> {
-        Ok(())
-    }
-}
-
-/// Restores into a fresh [`Store`] (or over an existing head) with ordered
-/// writes, tags counting up from a first tag.
-#[derive(Debug)]
-pub struct StoreSink<'a> {
-    store: &'a mut Store,
-    next: Tag,
-}
-
-impl<'a> StoreSink<'a> {
-    /// Writes into `store`'s head, the first write at tag `first` (it must
-    /// follow the store's position).
-    pub fn new(store: &'a mut Store, first: Tag) -> StoreSink<'a> {
-        StoreSink { store, next: first }
-    }
-
-    /// The tag the next write would take (the position after the restore
-    /// is the one before it).
-    pub fn next_tag(&self) -> Tag {
-        self.next
-    }
-
-    fn tag(&mut self) -> Tag {
-        let t = self.next;
-        self.next.index += 1;
-        t
-    }
-}
-
-impl RestoreSink for StoreSink<'_> {
-    fn write(&mut self, lba: u64, data: &[u8]) -> Result<(), BackupError> {
-        let n = (data.len() / BLOCK_SIZE) as u32;
-        let tag = self.tag();
-        Ok(self.store.write(tag, lba, n, Some(data))?)
-    }
-
-    fn zero(&mut self, lba: u64, nblocks: u64) -> Result<(), BackupError> {
-        let mut done = 0;
-        while done < nblocks {
-            let n = (nblocks - done).min(1 << 20) as u32;
-            let tag = self.tag();
-            self.store.write(tag, lba + done, n, None)?;
-            done += u64::from(n);
-        }
-        Ok(())
-    }
-
-    fn finish(&mut self) -> Result<(), BackupError> {
-        Ok(self.store.flush()?)
-    }
-}
-
-/// Restores into a new sparse file (a raw image).
-#[derive(Debug)]
-pub struct FileSink {
-    file: File,
-}
-
-impl FileSink {
-    /// Creates (or truncates) `path` as a sparse file of `size_blocks`.
-    pub fn create(path: &Path, size_blocks: u64) -> Result<FileSink, BackupError> {
-        let io = |e: std::io::Error| BackupError::Target {
-            target: path.display().to_string(),
-            op: "create",
-            key: String::new(),
-            source: Box::new(e),
-        };
-        let file = File::create(path).map_err(io)?;
-        file.set_len(size_blocks * BLOCK_SIZE as u64).map_err(io)?;
-        Ok(FileSink { file })
-    }
-
-    fn io(e: std::io::Error) -> BackupError {
-        BackupError::Target {
-            target: "restore file".into(),
-            op: "write",
-            key: String::new(),
-            source: Box::new(e),
-        }
-    }
-}
-
-impl RestoreSink for FileSink {
-    fn write(&mut self, lba: u64, data: &[u8]) -> Result<(), BackupError> {
-        self.file
-            .write_all_at(data, lba * BLOCK_SIZE as u64)
-            .map_err(Self::io)
-    }
-
-    fn zero(&mut self, _lba: u64, _nblocks: u64) -> Result<(), BackupError> {
-        // A new file reads as zeros.
-        Ok(())
-    }
-
-    fn finish(&mut self) -> Result<(), BackupError> {
-        self.file.sync_all().map_err(Self::io)
-    }
-}
-
-/// Options of [`restore`].
-#[derive(Debug)]
-pub struct RestoreOptions {
-    /// Chunk downloads in flight at once.
-    pub concurrency: usize,
-    /// Limit on the bytes fetched from the target per second.
-    pub throttle_bytes_per_sec: Option<u64>,
-    /// Where progress is published.
-    pub progress: Option<watch::Sender<BackupProgress>>,
-    /// Call [`RestoreSink::zero`] for holes (off when the sink is new and
-    /// already reads as zeros).
-    pub zero_holes: bool,
-}
-
-impl Default for RestoreOptions {
-    fn default() -> Self {
-        RestoreOptions {
-            concurrency: 8,
-            throttle_bytes_per_sec: None,
-            progress: None,
-            zero_holes: false,
-        }
-    }
-}
-
-/// What a restore did.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RestoreReport {
-    /// The manifest restored.
-    pub manifest: Manifest,
-    /// Chunks fetched and written.
-    pub chunks: u64,
-    /// Bytes fetched from the target.
-    pub bytes_fetched: u64,
-    /// Bytes written to the sink.
-    pub bytes_written: u64,
-    /// Wall time.
-    pub duration: Duration,
-}
-
-/// Checks a fetched chunk against its manifest entry and decompresses it.
-fn decode_chunk(key: &str, r: &ChunkRef, stored: &[u8]) -> Result<Vec<u8>, BackupError> {
-    let corrupt = |reason: String| BackupError::CorruptChunk {
-        index: r.index,
-        key: key.to_string(),
-        reason,
-    };
-    if stored.len() as u64 != r.stored_len {
-        return Err(corrupt(format!(
-            "{} bytes stored, manifest says {}",
-            stored.len(),
-            r.stored_len
-        )));
-    }
-    let crc = crc32c::crc32c(stored);
-    if crc != r.crc32c {
-        return Err(corrupt(format!(
-            "CRC-32C {crc:08x}, manifest says {:08x}",
-            r.crc32c
-        )));
-    }
-    let data =
-        lz4_flex::decompress_size_prepended(stored).map_err(|e| corrupt(format!("lz4: {e}")))?;
-    if data.len() != r.len as usize {
-        return Err(corrupt(format!("{} bytes, expected {}", data.len(), r.len)));
-    }
-    if hex(&Sha256::digest(&data)) != r.sha256 {
-        return Err(corrupt("SHA-256 does not match its name".into()));
-    }
-    Ok(data)
-}
-
-/// Restores backup `id` of `volume` from `target` alone into `sink`.
-///
-/// Every chunk is verified (stored length, CRC-32C, decompressed length and
-/// SHA-256) before it is written; the first bad one stops the restore with
-/// [`BackupError::CorruptChunk`] naming it. Chunks before it may already be
-/// in the sink.
-pub async fn restore(
-    target: &Arc<dyn BackupTarget>,
-    volume: &str,
-    id: &str,
-    sink: &mut dyn RestoreSink,
-    opts: &RestoreOptions,
-) -> Result<RestoreReport, BackupError> {
-    let t0 = Instant::now();
-    let manifest = load_manifest(&**target, volume, id).await?;
-    let cb = u64::from(manifest.chunk_blocks);
-    let mut progress = BackupProgress {
-        chunks_total: manifest.chunk_count(),
-        ..BackupProgress::default()
-    };
-    let mut report = RestoreReport {
-        manifest: manifest.clone(),
-        chunks: 0,
-        bytes_fetched: 0,
-        bytes_written: 0,
-        duration: Duration::ZERO,
-    };
-    let mut throttle = Throttle::new(opts.throttle_bytes_per_sec);
-    let concurrency = opts.concurrency.max(1);
-    type Fetch = JoinHandle<Result<Bytes, BackupError>>;
-    let mut window: VecDeque<(&ChunkRef, String, Fetch)> = VecDeque::new();
-    let mut pending = manifest.chunks.iter();
-    let spawn = |r: &ChunkRef| {
-        let key = chunk_key(volume, &r.sha256);
-        let t = Arc::clone(target);
-        let k = key.clone();
-        (key, tokio::spawn(async move { t.get(&k).await }))
-    };
-    // Next block not yet written or zeroed.
-    let mut next_lba = 0u64;
-    let result: Result<(), BackupError> = async {
-        loop {
-            while window.len() < concurrency {
-                let Some(r) = pending.next() else { break };
-                let (key, h) = spawn(r);
-                window.push_back((r, key, h));
-            }
-            let Some((r, key, h)) = window.pop_front() else {
-                break;
-            };
-            let stored = match h.await {
-                Ok(Ok(b)) => b,
-                Ok(Err(BackupError::NotFound { key })) => {
-                    return Err(BackupError::CorruptChunk {
-                        index: r.index,
-                        key,
-                        reason: "missing on the target".into(),
-                    });
-                }
-                Ok(Err(e)) => return Err(e),
-                Err(e) => return Err(join_err(&**target, "get", e)),
-            };
-            throttle.add(stored.len() as u64).await;
-            report.bytes_fetched += stored.len() as u64;
-            progress.bytes_read += stored.len() as u64;
-            let data = decode_chunk(&key, r, &stored)?;
-            let lba = r.index * cb;
-            if opts.zero_holes && lba > next_lba {
-                sink.zero(next_lba, lba - next_lba)?;
-            }
-            sink.write(lba, &data)?;
-            next_lba = lba + (data.len() / BLOCK_SIZE) as u64;
-            report.chunks += 1;
-            report.bytes_written += data.len() as u64;
-            progress.bytes_written += data.len() as u64;
-            progress.chunks_done = r.index + 1;
-            publish(&opts.progress, &progress);
-        }
-        if opts.zero_holes && manifest.size_blocks > next_lba {
-            sink.zero(next_lba, manifest.size_blocks - next_lba)?;
-        }
-        sink.finish()
-    }
-    .await;
-    if let Err(e) = result {
-        for (_, _, h) in &window {
-            h.abort();
-        }
-        warn!(volume, id, error = %e, "restore failed");
-        return Err(e);
-    }
-    progress.chunks_done = progress.chunks_total;
-    progress.done = true;
-    publish(&opts.progress, &progress);
-    report.duration = t0.elapsed();
-    debug!(volume, id, chunks = report.chunks, "restore done");
     Ok(report)
 }

@@ -35,9 +35,11 @@
 //! complete, deleting a backup never breaks a later one: [`delete`] removes
 //! the manifest and [`gc`] the chunks no remaining manifest references.
 
+mod catalog;
 mod dir;
 mod engine;
 mod manifest;
+mod restore;
 mod s3;
 
 use std::fmt;
@@ -45,13 +47,14 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 
+pub use catalog::{GcReport, delete, gc, list, load_manifest, retain};
 pub use dir::DirectoryTarget;
 pub use engine::{
-    BackupOptions, BackupProgress, BackupReport, FileSink, GcReport, Parent, RestoreOptions,
-    RestoreReport, RestoreSink, SnapshotSource, StoreSink, StoreSnapshot, backup, delete, gc, list,
-    load_manifest, restore, retain,
+    BackupOptions, BackupProgress, BackupReport, DEFAULT_CHUNK_BLOCKS, MAX_CHUNK_BLOCKS, Parent,
+    SnapshotSource, StoreSnapshot, backup,
 };
 pub use manifest::{ChunkRef, Manifest, SnapshotRef};
+pub use restore::{FileSink, RestoreOptions, RestoreReport, RestoreSink, StoreSink, restore};
 pub use s3::{S3Config, S3Target};
 
 /// Errors of backup operations. Each names the object, chunk, backup or

@@ -348,6 +348,11 @@ async fn target_failing_mid_backup_leaves_no_manifest_and_resumes() {
     assert!(backup::list(&*target, "vol-a").await.unwrap().is_empty());
     let partial = dt.list("volumes/vol-a/chunks/").await.unwrap().len();
     assert_eq!(partial, 6);
+    // gc leaves the chunks of a backup that may still be running alone.
+    let gc = backup::gc(&*target, "vol-a", Duration::from_secs(3600))
+        .await
+        .unwrap();
+    assert_eq!((gc.chunks_young, gc.chunks_deleted), (6, 0), "{gc:?}");
     // The next attempt uploads only what is missing.
     let r = backup::backup(&snap, &target, "vol-a", &full())
         .await
@@ -355,6 +360,77 @@ async fn target_failing_mid_backup_leaves_no_manifest_and_resumes() {
     assert_eq!(r.chunks_deduped, 6, "{r:?}");
     assert_eq!(r.chunks_written, 10, "{r:?}");
     assert_eq!(restore_bytes(&target, &r.id).await, v.snapshot_bytes("s1"));
+    let gc = backup::gc(&*target, "vol-a", Duration::ZERO).await.unwrap();
+    assert_eq!((gc.chunks_kept, gc.chunks_deleted), (16, 0), "{gc:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parent_snapshot_gone_and_restore_over_data() {
+    let mut v = Vol::new(BLOCKS);
+    v.write(0, 8 * CHUNK, 1);
+    v.snapshot("s1");
+    let (_d, _dt, target) = dir_target();
+    let r1 = backup::backup(
+        &StoreSnapshot::new(&v.store, "s1").unwrap(),
+        &target,
+        "vol-a",
+        &full(),
+    )
+    .await
+    .unwrap();
+    v.write(3 * CHUNK, 1, 2);
+    v.snapshot("s2");
+    // The parent's snapshot is deleted from the store: the store cannot
+    // say what changed, so every present chunk is read, but only the
+    // changed one is new content.
+    let s1 = v.store.info().layers[0].id;
+    let t = v.tag();
+    v.store.delete_snapshot(t, s1).unwrap();
+    let r2 = backup::backup(
+        &StoreSnapshot::new(&v.store, "s2").unwrap(),
+        &target,
+        "vol-a",
+        &BackupOptions {
+            parent: Parent::Id(r1.id.clone()),
+            ..BackupOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(r2.parent.as_deref(), Some(r1.id.as_str()));
+    assert_eq!(
+        (r2.chunks_read, r2.chunks_written, r2.chunks_deduped),
+        (8, 1, 7),
+        "{r2:?}"
+    );
+    let want = v.snapshot_bytes("s2");
+    assert_eq!(restore_bytes(&target, &r2.id).await, want);
+
+    // Restore over a store that holds other data, holes included.
+    let dir = tempfile::tempdir().unwrap();
+    let mut store = Store::create(
+        Box::new(StdDir::new(dir.path()).unwrap()),
+        BLOCKS,
+        ReplicaState::Clean,
+    )
+    .unwrap();
+    let junk = vec![0xa5u8; 64 * BLOCK_SIZE];
+    for lba in (0..BLOCKS).step_by(512) {
+        store
+            .write(Tag::new(1, lba + 1), lba, 64, Some(&junk))
+            .unwrap();
+    }
+    let mut sink = StoreSink::new(&mut store, Tag::new(1, BLOCKS + 1));
+    let opts = RestoreOptions {
+        zero_holes: true,
+        ..RestoreOptions::default()
+    };
+    backup::restore(&target, "vol-a", &r2.id, &mut sink, &opts)
+        .await
+        .unwrap();
+    let mut out = vec![0u8; BLOCKS as usize * BLOCK_SIZE];
+    assert!(store.read(0, BLOCKS as u32, &mut out).unwrap().is_empty());
+    assert!(out == want);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -465,7 +465,8 @@ async fn s3_wrong_credentials_and_bad_targets() {
     // Authentication on from the next request: only that user's key works.
     // Limit: with authentication on, moto 5.2 answers SignatureDoesNotMatch
     // to object_store's ListObjectsV2 with a prefix even for a valid key
-    // (PUT, GET and an unprefixed list verify; cause not pinned down), so
+    // (PUT, GET and an unprefixed list verify; boto3's list_objects_v2 with
+    // a prefix fails the same way against moto: a moto bug), so
     // under authentication the valid key is shown restoring (GETs) and
     // writing, not running a whole backup (which lists).
     let st = http(moto.port, "POST", "/moto-api/reset-auth", "0");

@@ -8,7 +8,8 @@
 //!  manifest   one self-contained JSON document per backup, written last
 //!    │
 //!  target     BackupTarget: put / get / list / delete objects by key
-//!               DirectoryTarget (local or NFS directory), S3Target (object_store)
+//!               DirectoryTarget (local or NFS directory), S3Target (object_store),
+//!               MemoryTarget (reference, tests)
 //! ```
 //!
 //! Layout on the target (one target can hold many volumes):
@@ -39,6 +40,7 @@ mod catalog;
 mod dir;
 mod engine;
 mod manifest;
+mod mem;
 mod restore;
 mod s3;
 
@@ -54,6 +56,7 @@ pub use engine::{
     SnapshotSource, StoreSnapshot, backup,
 };
 pub use manifest::{ChunkRef, Manifest, SnapshotRef};
+pub use mem::MemoryTarget;
 pub use restore::{FileSink, RestoreOptions, RestoreReport, RestoreSink, StoreSink, restore};
 pub use s3::{S3Config, S3Target};
 

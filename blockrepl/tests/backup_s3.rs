@@ -377,15 +377,19 @@ async fn s3_server_cut_mid_backup_leaves_no_manifest() {
         BUCKET,
     );
     let direct = s3(&moto.endpoint(), "AKIDTEST", BUCKET);
-    // 32 MiB at 16 MiB/s: ~2 s; cut after 0.7 s.
+    // 32 MiB at 16 MiB/s: ~2 s; cut once 3 chunks are uploaded.
+    let (tx, mut rx) = tokio::sync::watch::channel(Default::default());
     let opts = BackupOptions {
         parent: Parent::Full,
         throttle_bytes_per_sec: Some(16 << 20),
+        progress: Some(tx),
         ..BackupOptions::default()
     };
     let snap = StoreSnapshot::new(&v.store, "s1").unwrap();
     let cut = async {
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        let _ = rx
+            .wait_for(|p: &backup::BackupProgress| p.bytes_written >= 3 << 20)
+            .await;
         proxy.cut();
     };
     let t0 = Instant::now();

@@ -249,6 +249,7 @@ async fn dedup_file_sink_and_sparse() {
     }
     v.snapshot("s1");
     let (_d, dt, target) = dir_target();
+    backup::check_target(&*target).await.unwrap();
     let r = backup::backup(
         &StoreSnapshot::new(&v.store, "s1").unwrap(),
         &target,

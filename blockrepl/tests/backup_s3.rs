@@ -476,9 +476,7 @@ async fn s3_wrong_credentials_and_bad_targets() {
     let st = http(moto.port, "POST", "/moto-api/reset-auth", "0");
     assert_eq!(st, 200, "switching moto's authentication on");
     assert!(restore_file(&good, &r.id).await.unwrap() == v.snapshot_bytes("s1"));
-    good.put("probe/ok", bytes::Bytes::from_static(b"ok"))
-        .await
-        .unwrap();
+    backup::check_target(&*good).await.unwrap();
     // An unknown key id, and the right id with a wrong secret.
     for (id, sec) in [
         ("AKIAWRONGKEY0000", secret.as_str()),
@@ -495,6 +493,8 @@ async fn s3_wrong_credentials_and_bad_targets() {
         assert!(matches!(err, BackupError::Auth { .. }), "{err}");
         let err = restore_file(&wrong, &r.id).await.unwrap_err();
         assert!(matches!(err, BackupError::Auth { .. }), "{err}");
+        let err = backup::check_target(&*wrong).await.unwrap_err();
+        assert!(matches!(err, BackupError::Auth { .. }), "{err}");
     }
 
     // Authentication off again: a missing bucket is named.
@@ -505,6 +505,8 @@ async fn s3_wrong_credentials_and_bad_targets() {
         .await
         .unwrap_err();
     eprintln!("{err}");
+    assert!(err.to_string().contains("no-such-bucket"), "{err}");
+    let err = backup::check_target(&*nobucket).await.unwrap_err();
     assert!(err.to_string().contains("no-such-bucket"), "{err}");
 
     // Nothing listening: a target error within the retry budget.

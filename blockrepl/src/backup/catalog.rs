@@ -129,3 +129,31 @@ pub async fn retain(
     let report = gc(target, volume, grace).await?;
     Ok((deleted, report))
 }
+
+/// Checks that `target` is usable (what a backup-target setting should be
+/// validated with): writes, reads back and deletes a probe object under
+/// `probe/`. Refused credentials are [`BackupError::Auth`], a missing
+/// bucket or directory a [`BackupError::Target`].
+pub async fn check_target(target: &dyn BackupTarget) -> Result<(), BackupError> {
+    let key = format!(
+        "probe/{}-{}",
+        std::process::id(),
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    );
+    let body = bytes::Bytes::from_static(b"sheaf backup target probe\n");
+    target.put(&key, body.clone()).await?;
+    let back = target.get(&key).await?;
+    target.delete(&key).await?;
+    if back != body {
+        return Err(BackupError::Target {
+            target: target.describe(),
+            op: "probe",
+            key,
+            source: "the object read back differs from the one written".into(),
+        });
+    }
+    Ok(())
+}

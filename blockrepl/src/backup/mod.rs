@@ -49,7 +49,7 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 
-pub use catalog::{GcReport, delete, gc, list, load_manifest, retain};
+pub use catalog::{GcReport, check_target, delete, gc, list, load_manifest, retain};
 pub use dir::DirectoryTarget;
 pub use engine::{
     BackupOptions, BackupProgress, BackupReport, DEFAULT_CHUNK_BLOCKS, MAX_CHUNK_BLOCKS, Parent,

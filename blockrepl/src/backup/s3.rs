@@ -133,6 +133,15 @@ impl S3Target {
         })
     }
 
+    fn no_bucket(&self, op: &'static str, key: &str, e: &object_store::Error) -> BackupError {
+        BackupError::Target {
+            target: self.name.clone(),
+            op,
+            key: key.to_string(),
+            source: format!("bucket {:?} does not exist: {e}", self.bucket).into(),
+        }
+    }
+
     fn path(&self, key: &str) -> Path {
         match &self.prefix {
             Some(p) => Path::from(format!("{p}/{key}")),
@@ -141,6 +150,9 @@ impl S3Target {
     }
 
     fn err(&self, op: &'static str, key: &str, e: object_store::Error) -> BackupError {
+        if chain_contains(&e, "<Code>NoSuchBucket</Code>") {
+            return self.no_bucket(op, key, &e);
+        }
         match e {
             object_store::Error::NotFound { .. } => BackupError::NotFound {
                 key: key.to_string(),
@@ -173,17 +185,22 @@ impl S3Target {
 /// Whether an error (or one of its sources) is S3 refusing the
 /// credentials.
 fn is_auth_error(e: &(dyn std::error::Error + 'static)) -> bool {
-    const MARKS: [&str; 5] = [
+    [
         "403 Forbidden",
         "401 Unauthorized",
         "<Code>InvalidAccessKeyId</Code>",
         "<Code>SignatureDoesNotMatch</Code>",
         "<Code>AccessDenied</Code>",
-    ];
+    ]
+    .iter()
+    .any(|m| chain_contains(e, m))
+}
+
+/// Whether the message of an error or of one of its sources contains `mark`.
+fn chain_contains(e: &(dyn std::error::Error + 'static), mark: &str) -> bool {
     let mut cur = Some(e);
     while let Some(err) = cur {
-        let text = err.to_string();
-        if MARKS.iter().any(|m| text.contains(m)) {
+        if err.to_string().contains(mark) {
             return true;
         }
         cur = err.source();
@@ -229,12 +246,7 @@ impl BackupTarget for S3Target {
                 .map_err(|e| match e {
                     // Listing a folder that has no objects is not an error:
                     // only a missing bucket is.
-                    object_store::Error::NotFound { source, .. } => BackupError::Target {
-                        target: self.name.clone(),
-                        op: "list",
-                        key: prefix.to_string(),
-                        source: format!("bucket {:?} does not exist: {source}", self.bucket).into(),
-                    },
+                    e @ object_store::Error::NotFound { .. } => self.no_bucket("list", prefix, &e),
                     e => self.err("list", prefix, e),
                 })?;
         let strip = self.prefix.as_ref().map(|b| format!("{b}/"));

@@ -290,6 +290,43 @@ async fn dedup_file_sink_and_sparse() {
     assert_eq!(std::fs::read(&img).unwrap(), v.snapshot_bytes("s1"));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incremental_after_resize() {
+    // 1000 blocks: the last chunk is partial (232 blocks).
+    let mut v = Vol::new(1000);
+    v.write(0, 1000, 1);
+    v.snapshot("s1");
+    let (_d, _dt, target) = dir_target();
+    let r1 = backup::backup(
+        &StoreSnapshot::new(&v.store, "s1").unwrap(),
+        &target,
+        "vol-a",
+        &full(),
+    )
+    .await
+    .unwrap();
+    let t = v.tag();
+    v.store.resize(t, 1300).unwrap();
+    v.write(1200, 50, 2);
+    v.snapshot("s2");
+    let r2 = backup::backup(
+        &StoreSnapshot::new(&v.store, "s2").unwrap(),
+        &target,
+        "vol-a",
+        &BackupOptions::default(),
+    )
+    .await
+    .unwrap();
+    // Chunks 0-2 reused; chunk 3 (was partial) and the new chunk 4 read.
+    assert_eq!(r2.chunks_total, 6, "{r2:?}");
+    assert_eq!((r2.chunks_reused, r2.chunks_read), (3, 3), "{r2:?}");
+    assert_eq!(restore_bytes(&target, &r2.id).await, v.snapshot_bytes("s2"));
+    assert_eq!(
+        restore_bytes(&target, &r1.id).await.len(),
+        1000 * BLOCK_SIZE
+    );
+}
+
 /// Fails every put after the first `ok` ones (a target that dies).
 #[derive(Debug)]
 struct FailingTarget {

@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -342,11 +342,18 @@ struct Run<'a> {
 impl Run<'_> {
     /// Waits for one upload.
     async fn next_upload(&mut self) -> Result<(), BackupError> {
-        let n = match self.inflight.next().await {
-            Some(Ok(r)) => r?,
-            Some(Err(e)) => return Err(join_err(&**self.target, "put", e)),
-            None => 0,
-        };
+        match self.inflight.next().await {
+            Some(done) => self.uploaded(done),
+            None => Ok(()),
+        }
+    }
+
+    /// Accounts for a finished upload.
+    fn uploaded(
+        &mut self,
+        done: Result<Result<u64, BackupError>, tokio::task::JoinError>,
+    ) -> Result<(), BackupError> {
+        let n = done.map_err(|e| join_err(&**self.target, "put", e))??;
         self.report.bytes_written += n;
         self.progress.bytes_written += n;
         Ok(())
@@ -382,6 +389,11 @@ impl Run<'_> {
             // Uploaded by an earlier attempt or backup.
             self.report.chunks_deduped += 1;
             return Ok(());
+        }
+        // Take finished uploads first, so a failing target stops the
+        // backup at once instead of when the window fills.
+        while let Some(Some(done)) = self.inflight.next().now_or_never() {
+            self.uploaded(done)?;
         }
         while self.inflight.len() >= self.concurrency {
             self.next_upload().await?;

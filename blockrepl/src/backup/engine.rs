@@ -478,10 +478,11 @@ pub async fn backup(
     let plan = |c: u64| {
         match (&parent, &changed) {
             (Some(p), Some(changed)) => {
-                // A chunk the parent did not cover whole (the volume grew)
-                // is read again.
-                let grown = (c + 1) * cb > p.size_blocks && size_blocks != p.size_blocks;
-                if changed.contains(&c) || grown {
+                // If the size changed, a chunk that is not whole in both
+                // (the parent's partial last chunk, new chunks) is read.
+                let resized =
+                    size_blocks != p.size_blocks && (c + 1) * cb > p.size_blocks.min(size_blocks);
+                if changed.contains(&c) || resized {
                     Plan::Read
                 } else {
                     parent_refs.get(&c).map_or(Plan::Hole, |r| Plan::Reuse(r))

@@ -7,7 +7,9 @@
 //!   the changed chunks;
 //! - the server cut off mid-backup (a TCP proxy in front of moto is killed,
 //!   so moto keeps what it received): the backup fails, the bucket holds no
-//!   manifest, the next attempt through a new proxy resumes;
+//!   manifest, the next attempt through a new proxy resumes; the moto
+//!   process killed mid-backup: the backup fails within the retry budget
+//!   and succeeds against a restarted server;
 //! - a chunk object overwritten on the server: the restore names it;
 //! - credentials: an IAM user is created on moto, then moto's
 //!   authentication is switched on (`/moto-api/reset-auth`): its key
@@ -124,8 +126,17 @@ fn moto_iam_user(port: u16) -> (String, String) {
 
 impl Moto {
     fn start() -> Moto {
+        Moto::start_on(free_port())
+    }
+
+    /// Kills the server process (its in-memory state is lost).
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn start_on(port: u16) -> Moto {
         let bin = moto_path();
-        let port = free_port();
         let log = tempfile::NamedTempFile::new().unwrap();
         let child = Command::new(bin)
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])
@@ -415,6 +426,45 @@ async fn s3_server_cut_mid_backup_leaves_no_manifest() {
     assert_eq!(r.chunks_deduped, partial, "{r:?}");
     assert_eq!(r.chunks_written, 32 - partial, "{r:?}");
     assert!(restore_file(&direct, &r.id).await.unwrap() == v.snapshot_bytes("s1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_server_process_killed_mid_backup() {
+    let mut moto = Moto::start();
+    let port = moto.port;
+    let target = s3(&moto.endpoint(), "AKIDTEST", BUCKET);
+    let blocks = 8192;
+    let mut v = Vol::new(blocks);
+    v.write(0, blocks, 1);
+    v.snapshot("s1");
+    let (tx, mut rx) = tokio::sync::watch::channel(Default::default());
+    let opts = BackupOptions {
+        throttle_bytes_per_sec: Some(16 << 20),
+        progress: Some(tx),
+        ..BackupOptions::default()
+    };
+    let snap = StoreSnapshot::new(&v.store, "s1").unwrap();
+    let t0 = Instant::now();
+    let kill = async {
+        let _ = rx
+            .wait_for(|p: &backup::BackupProgress| p.bytes_written >= 3 << 20)
+            .await;
+        moto.kill();
+    };
+    let (res, ()) = tokio::join!(backup::backup(&snap, &target, "vol-s3", &opts), kill);
+    let err = res.unwrap_err();
+    eprintln!("backup failed after {:?}: {err}", t0.elapsed());
+    assert!(matches!(err, BackupError::Target { .. }), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(30));
+    // A new server on the same address (moto keeps nothing): the same
+    // client backs up and restores.
+    let _moto = Moto::start_on(port);
+    assert!(backup::list(&*target, "vol-s3").await.unwrap().is_empty());
+    let r = backup::backup(&snap, &target, "vol-s3", &BackupOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(r.chunks_written, 32, "{r:?}");
+    assert!(restore_file(&target, &r.id).await.unwrap() == v.snapshot_bytes("s1"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

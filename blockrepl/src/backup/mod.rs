@@ -8,7 +8,8 @@
 //!  manifest   one self-contained JSON document per backup, written last
 //!    │
 //!  target     BackupTarget: put / get / list / delete objects by key
-//!               DirectoryTarget (local or NFS directory), S3Target (object_store),
+//!               DirectoryTarget (local or NFS directory), S3Target (object_store,
+//!               feature `s3`, on by default),
 //!               MemoryTarget (reference, tests)
 //! ```
 //!
@@ -42,6 +43,7 @@ mod engine;
 mod manifest;
 mod mem;
 mod restore;
+#[cfg(feature = "s3")]
 mod s3;
 
 use std::fmt;
@@ -58,6 +60,7 @@ pub use engine::{
 pub use manifest::{ChunkRef, Manifest, SnapshotRef};
 pub use mem::MemoryTarget;
 pub use restore::{FileSink, RestoreOptions, RestoreReport, RestoreSink, StoreSink, restore};
+#[cfg(feature = "s3")]
 pub use s3::{S3Config, S3Target};
 
 /// Errors of backup operations. Each names the object, chunk, backup or

@@ -15,10 +15,12 @@
 //!    │
 //!  store     replica store: WAL, copy-on-write layers, per-block checksums
 //!
+//!  backup    incremental content-addressed backups to S3 or a directory
 //!  sim       deterministic simulator + linearizability oracle over all of it
 //! ```
 #![warn(missing_docs)]
 
+pub mod backup;
 pub mod error;
 pub mod frontend;
 #[doc(hidden)]

@@ -225,7 +225,7 @@ impl DirtyRegion {
 /// atomically: a concurrent write is either in this result or stays for
 /// the next call, never lost. vm-memory marks after the data is written,
 /// so a page read after this call holds at least what was marked.
-pub(crate) fn take_vmm_dirty(mem: &GuestMemory) -> Vec<DirtyRegion> {
+pub fn take_vmm_dirty(mem: &GuestMemory) -> Vec<DirtyRegion> {
     mem.iter()
         .map(|r| DirtyRegion {
             guest_addr: r.start_addr().0,
@@ -266,6 +266,65 @@ mod tests {
     use vm_memory::Bytes;
 
     use super::*;
+
+    /// One dirty pass as the migration takes it (KVM log ∪ bitmaps).
+    fn pass(vm: &VmFd, ram: &GuestRam) -> Vec<u64> {
+        let mut pages = Vec::new();
+        for r in dirty_log(vm, &ram.mem).unwrap() {
+            for (wi, w) in r.bitmap.iter().enumerate() {
+                for b in 0..64 {
+                    if w & (1 << b) != 0 {
+                        pages.push(r.guest_addr + (wi as u64 * 64 + b) * DIRTY_PAGE_SIZE as u64);
+                    }
+                }
+            }
+        }
+        pages
+    }
+
+    #[test]
+    fn vmm_writes_are_in_the_next_dirty_pass() {
+        if !std::path::Path::new("/dev/kvm").exists() {
+            eprintln!("SKIP: no /dev/kvm");
+            return;
+        }
+        let kvm = kvm_ioctls::Kvm::new().unwrap();
+        let vm = kvm.create_vm().unwrap();
+        let ram = GuestRam::new(&MemoryConfig {
+            size_mib: 4,
+            backing: MemoryBacking::Anonymous,
+            track_dirty_pages: true,
+        })
+        .unwrap();
+        ram.register(&vm).unwrap();
+        assert!(pass(&vm, &ram).is_empty());
+        // A device write through vm-memory (what virtio devices and the
+        // threads engine do): KVM never sees it, the bitmap does.
+        ram.mem
+            .write_slice(&[0xab; 4097], GuestAddress(0x3_0000))
+            .unwrap();
+        ram.mem.write_obj(1u16, GuestAddress(0x5_0002)).unwrap();
+        assert_eq!(pass(&vm, &ram), vec![0x3_0000, 0x3_1000, 0x5_0000]);
+        assert!(pass(&vm, &ram).is_empty(), "a pass clears the bitmap");
+        // A raw host-pointer write (what io_uring does): invisible until
+        // marked, then in the next pass.
+        let host = ram.mem.get_host_address(GuestAddress(0x7_0000)).unwrap();
+        // SAFETY: the address is inside a live 4 MiB mapping of `ram`.
+        unsafe { std::ptr::write_bytes(host, 0xcd, 8192) };
+        assert!(pass(&vm, &ram).is_empty(), "raw writes bypass every log");
+        mark_dirty(&ram.mem, GuestAddress(0x7_0000), 8192);
+        assert_eq!(pass(&vm, &ram), vec![0x7_0000, 0x7_1000]);
+        // Without tracking, marks are dropped and nothing is recorded.
+        let off = GuestRam::new(&MemoryConfig {
+            size_mib: 4,
+            backing: MemoryBacking::Anonymous,
+            track_dirty_pages: false,
+        })
+        .unwrap();
+        off.mem.write_slice(&[1; 64], GuestAddress(0x1000)).unwrap();
+        mark_dirty(&off.mem, GuestAddress(0x2000), 4096);
+        assert!(take_vmm_dirty(&off.mem).iter().all(|r| r.bitmap.is_empty()));
+    }
 
     #[test]
     fn memfd_backing_is_shared_with_the_file() {

@@ -28,6 +28,11 @@
 //! `probe.dirty_every=ITER`) the pause between records also writes one
 //! page of a P-page area (at most 1024) every ITER loop iterations, round
 //! robin: a guest that dirties memory at a steady rate (migration tests).
+//! `probe.readloop=B` (+ `probe.read_base=SECTOR`): read known disk blocks
+//! into B buffers round robin forever, checking each buffer still holds
+//! what was last read into it before reading again (device writes into
+//! RAM the vCPU never writes; migration tests), printing `read: ok R`
+//! after round R and `read: BAD i` on a mismatch.
 //!
 //! Built by `vmm/build.rs` with the host's x86_64-unknown-linux-gnu target,
 //! `-nostdlib -static` and `probe.ld`; no prebuilt blob.
@@ -831,6 +836,69 @@ fn log_mode(blk: &mut Blk, capacity: u64, cmdline: &[u8]) {
     puts("\n");
 }
 
+// ---- read-loop mode (probe.readloop=B) --------------------------------------
+//
+// Memory written only by a device: block j (4 KiB at sector base + 8j, for
+// j <= B) holds the words READ_MAGIC ^ (j << 16 | w). Read i puts block
+// i % (B + 1) into buffer i % B of the DIRTY area, which the vCPU only
+// reads; before that it checks the buffer still holds block
+// (i - B) % (B + 1), the one read i - B put there. A migration that loses
+// a device write shows as `read: BAD i` on the target.
+
+const READ_MAGIC: u64 = 0x5348_4541_4652_4400;
+
+fn block_ok(buf: u64, j: u64) -> bool {
+    let mut w = 0u64;
+    while w < 512 {
+        // SAFETY: `buf` is a 4 KiB buffer inside DIRTY.
+        if unsafe { read_volatile((buf + 8 * w) as *const u64) } != READ_MAGIC ^ (j << 16 | w) {
+            return false;
+        }
+        w += 1;
+    }
+    true
+}
+
+fn read_mode(blk: &mut Blk, capacity: u64, cmdline: &[u8]) -> ! {
+    let want = find(cmdline, b"probe.readloop=").and_then(parse_num).map(|(v, _)| v).unwrap_or(0);
+    let base = find(cmdline, b"probe.read_base=").and_then(parse_num).map(|(v, _)| v).unwrap_or(4096);
+    let room = if capacity > base { (capacity - base) / 8 } else { 0 };
+    let bufs = want.min(DIRTY_PAGES as u64).min(room.saturating_sub(1));
+    if bufs == 0 {
+        fail(0x50, "read: no buffers or no room on the disk");
+    }
+    let blocks = bufs + 1;
+    let area = unsafe { (&raw const DIRTY.0) as u64 };
+    puts("read: looping over ");
+    put_dec(bufs);
+    puts(" buffers\n");
+    let mut i = 0u64;
+    loop {
+        let buf = area + (i % bufs) * 4096;
+        if i >= bufs && !block_ok(buf, (i - bufs) % blocks) {
+            puts("read: BAD ");
+            put_dec(i);
+            puts("\n");
+            fail(0x52, "read: a buffer lost what the device wrote");
+        }
+        if blk.request(0, base + 8 * (i % blocks), Some((buf, 4096, true))) != 0 {
+            fail(0x51, "read: IN failed");
+        }
+        if !block_ok(buf, i % blocks) {
+            puts("read: BAD ");
+            put_dec(i);
+            puts("\n");
+            fail(0x52, "read: wrong data");
+        }
+        i += 1;
+        if i % bufs == 0 {
+            puts("read: ok ");
+            put_dec(i / bufs);
+            puts("\n");
+        }
+    }
+}
+
 #[unsafe(no_mangle)]
 extern "C" fn probe_main(pvh: u64, info: u64) -> ! {
     puts("\nsheaf-probe: boot=");
@@ -876,6 +944,9 @@ extern "C" fn probe_main(pvh: u64, info: u64) -> ! {
             let (mut blk, capacity) = disk_test(base, irq);
             if find(bi.cmdline, b"probe.log=").is_some() {
                 log_mode(&mut blk, capacity, bi.cmdline);
+            }
+            if find(bi.cmdline, b"probe.readloop=").is_some() {
+                read_mode(&mut blk, capacity, bi.cmdline);
             }
             tested = true;
             break;

@@ -6,7 +6,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::acpi::{RESET_VALUE, S5_SLEEP_VALUE};
@@ -131,7 +131,7 @@ pub fn kernel_load_case(data: &[u8]) {
         1 | 3 => xor_over(bzimage_template(), 0x1f0, rest),
         _ => xor_over(elf_template(), 0, rest),
     };
-    let Ok(mem) = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), KERNEL_MEM)]) else {
+    let Ok(mem) = crate::memory::GuestMemory::from_ranges(&[(GuestAddress(0), KERNEL_MEM)]) else {
         return;
     };
     let cfg = KernelConfig {
@@ -308,7 +308,8 @@ mod tests {
     #[test]
     fn the_kernel_templates_load() {
         for (mode, want_pvh) in [(0b0100u8, false), (0b1000, false)] {
-            let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), KERNEL_MEM)]).unwrap();
+            let mem =
+                crate::memory::GuestMemory::from_ranges(&[(GuestAddress(0), KERNEL_MEM)]).unwrap();
             let kernel = if mode == 0b0100 {
                 bzimage_template()
             } else {

@@ -410,7 +410,7 @@ proptest! {
         ty in prop_oneof![0u32..16, any::<u32>()],
         sector in prop_oneof![0u64..128, any::<u64>()],
     ) {
-        let mem = vm_memory::GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM)]).unwrap();
+        let mem = sheaf_vmm::memory::GuestMemory::from_ranges(&[(GuestAddress(0), MEM)]).unwrap();
         let segs: Vec<Segment> = segs.into_iter().map(|(addr, len, writable)| Segment { addr, len, writable }).collect();
         if let Some(first) = segs.first()
             && first.addr < MEM as u64 - 16

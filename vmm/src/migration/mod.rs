@@ -11,13 +11,17 @@
 //!   pass 1..n: dirty pages (running, throttled   ► …
 //!     when not converging) until they fit the
 //!     downtime budget
-//!   pause; drain I/O; last dirty pages + device ─► pages
-//!     rings; VmSnapshot                          ► load the state
+//!   pause; drain I/O; last dirty pages ─────────► pages
+//!     VmSnapshot ────────────────────────────────► load the state
 //!                           ◄───────────────────── Ready
 //!   Commit (never resumes after this) ───────────► start the vCPUs
 //!                           ◄───────────────────── Running
 //!   stop for good
 //! ```
+//!
+//! "Dirty" is KVM's log of vCPU writes ∪ vm-memory's dirty bitmap of the
+//! VMM's own writes into guest RAM (virtio devices; see [`crate::memory`]),
+//! both read and cleared at the end of every pass and before pass 0.
 //!
 //! Failure semantics: before `Commit` is sent, any failure resumes the
 //! source (if it was running) and returns [`MigrationError::Failed`] naming

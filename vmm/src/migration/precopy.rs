@@ -379,12 +379,12 @@ impl Source<'_> {
             vm.pause()?;
             self.paused_at = Some(paused_at);
         }
-        // Completes in-flight disk requests into guest memory first.
+        // Completes in-flight disk requests into guest memory first; the
+        // dirty log then holds every page vCPUs or devices wrote since the
+        // last pass (device writes through vm-memory's bitmap).
         let snap = vm.snapshot_state()?;
-        let mem = vm.guest_memory();
         let mut set = carry;
         set.add_log(&vm.dirty_pages()?);
-        set.add_device_pages(mem, &snap.devices);
         let pass = self.passes.len() as u32;
         let t0 = Instant::now();
         let b0 = self.link.bytes_sent();

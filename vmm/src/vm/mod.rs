@@ -585,7 +585,9 @@ impl Vm {
         self.ram.memfd.as_ref().map(|f| f.as_raw_fd())
     }
 
-    /// Reads and clears KVM's dirty-page log (needs `memory.track_dirty_pages`).
+    /// Reads and clears the dirty-page log (needs `memory.track_dirty_pages`):
+    /// KVM's log of vCPU writes ∪ vm-memory's bitmap of the VMM's own
+    /// writes into guest RAM (virtio devices), see [`crate::memory`].
     pub fn dirty_pages(&self) -> Result<Vec<DirtyRegion>> {
         if !self.ram.dirty_logging {
             return Err(Error::KvmCapability(

@@ -17,7 +17,9 @@
 //! helper thread. A short transfer is resubmitted for the rest; no
 //! progress is an I/O error, never a success. Guest memory stays mapped
 //! (the request holds a [`GuestMemory`] clone) until every operation of the
-//! request completed, and `drain`/`Drop` wait for every operation.
+//! request completed, and `drain`/`Drop` wait for every operation. The
+//! kernel's writes into guest memory bypass vm-memory's dirty bitmap, so a
+//! read marks its buffers dirty when it completes (live migration).
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
@@ -93,7 +95,11 @@ struct Pending {
     status: u8,
     written: u32,
     ops_left: usize,
-    _mem: GuestMemory,
+    mem: GuestMemory,
+    /// Guest ranges the kernel writes (a read's buffers): the writes
+    /// bypass vm-memory, so they are marked dirty once every operation
+    /// completed ([`crate::memory::mark_dirty`]).
+    device_writes: Vec<(u64, u32)>,
 }
 
 struct State {
@@ -300,6 +306,10 @@ impl IoUringBackend {
         if p.ops_left == 0
             && let Some(p) = s.pending.remove(&token)
         {
+            // Even a failed read may have written part of its buffers.
+            for &(addr, len) in &p.device_writes {
+                crate::memory::mark_dirty(&p.mem, GuestAddress(addr), len as usize);
+            }
             let written = if p.status == VIRTIO_BLK_S_OK as u8 {
                 p.written
             } else {
@@ -572,7 +582,12 @@ impl AsyncBlockBackend for IoUringBackend {
                 status: VIRTIO_BLK_S_OK as u8,
                 written,
                 ops_left: ops.len(),
-                _mem: mem.clone(),
+                mem: mem.clone(),
+                device_writes: if req.ty == RequestType::In {
+                    req.data.iter().map(|s| (s.addr, s.len)).collect()
+                } else {
+                    Vec::new()
+                },
             },
         );
         for op in ops {

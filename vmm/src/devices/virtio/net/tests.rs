@@ -119,6 +119,25 @@ fn receive_fills_one_buffer_with_header() {
 }
 
 #[test]
+fn a_received_frame_leaves_its_buffer_and_the_used_ring_dirty() {
+    // Live migration resends what the device wrote: vm-memory's bitmap.
+    let (mut d, peer, _) = card(0);
+    post_rx(&mut d, 1, 2048);
+    crate::memory::take_vmm_dirty(&d.mem);
+    peer.send(&frame(300, 3)).unwrap();
+    d.poll(RX_QUEUE);
+    assert_eq!(d.used_idx(RX_QUEUE), 1);
+    let dirty = crate::memory::take_vmm_dirty(&d.mem);
+    let page = |gpa: u64| {
+        let p = (gpa / 4096) as usize;
+        dirty[0].bitmap[p / 64] & (1 << (p % 64)) != 0
+    };
+    let used = crate::devices::virtio::test_utils::NET_QUEUES[0].2;
+    assert!(page(DATA + 0x1000) && page(used));
+    assert!(!page(DATA) && !page(DATA + 0x2000));
+}
+
+#[test]
 fn mergeable_buffers_split_a_frame() {
     let (mut d, peer, _) = card(MRG);
     for i in 0..6 {

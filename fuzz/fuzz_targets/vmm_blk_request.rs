@@ -20,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
     if data.len() < need {
         return;
     }
-    let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM)]).unwrap();
+    let mem = sheaf_vmm::memory::GuestMemory::from_ranges(&[(GuestAddress(0), MEM)]).unwrap();
     let _ = mem.write_slice(&data[need..data.len().min(need + MEM)], GuestAddress(0));
     let segs: Vec<Segment> = data[2..need]
         .chunks_exact(13)

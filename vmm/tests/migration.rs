@@ -698,6 +698,7 @@ fn the_before_start_hook_gates_the_switch_over() {
     let after = wait_acks(&dst, 3);
     assert!(!after.contains("sheaf-probe: boot"), "rebooted:\n{after}");
     assert_consecutive(&acks(&(before + &after)));
+}
 
 /// First sector and buffer count of the probe's `probe.readloop` mode.
 const READ_BASE: u64 = 4096;

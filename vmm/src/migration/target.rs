@@ -49,7 +49,7 @@ impl VmBuilder {
                 Ok(vm)
             }
             Err(e) => {
-                let _ = link.send(&wire::encode(&Msg::Abort(e.to_string())));
+                let _ = link.send(&wire::encode(&Msg::Abort(chain(&e))));
                 link.shutdown();
                 tracing::warn!(vm = %vm.name(), error = %e, "incoming migration failed; the VM was not started");
                 drop(vm);
@@ -68,6 +68,18 @@ impl Vm {
     ) -> Result<Vm> {
         Vm::builder(config).receive_migration(stream, cfg)
     }
+}
+
+/// `e` and its causes, `: `-separated: what the source is told.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }
 
 fn received_failed(cause: Error) -> Error {

@@ -196,6 +196,7 @@ fn set_strategy(vm: &mut VirtualMachine, s: RunStrategy) {
 async fn vm_verb(
     State(s): State<ClusterState>,
     Path((ns, name, verb)): Path<(String, String, String)>,
+    body: axum::body::Bytes,
 ) -> Result<Response, Failure> {
     let store = &s.store;
     let vm: VirtualMachine = match store.get_typed(&ns, &name).await {
@@ -277,11 +278,32 @@ async fn vm_verb(
                     "VM {ns}/{name} is not Running yet; migrate it once it runs"
                 )));
             }
+            // KubeVirt's MigrateOptions: `{"addedNodeSelector": {...}}`.
+            let opts: serde_json::Value = if body.is_empty() {
+                json!({})
+            } else {
+                serde_json::from_slice(&body)
+                    .map_err(|e| Failure::new(400, "BadRequest", format!("migrate options: {e}")))?
+            };
+            let mut spec = json!({"vmiName": name});
+            match opts.get("addedNodeSelector") {
+                None | Some(serde_json::Value::Null) => {}
+                Some(sel @ serde_json::Value::Object(m)) if m.values().all(|v| v.is_string()) => {
+                    spec["addedNodeSelector"] = sel.clone();
+                }
+                Some(_) => {
+                    return Err(Failure::new(
+                        400,
+                        "BadRequest",
+                        "migrate options: addedNodeSelector must map label names to strings",
+                    ));
+                }
+            }
             let m = json!({
                 "apiVersion": "kubevirt.io/v1",
                 "kind": "VirtualMachineInstanceMigration",
                 "metadata": {"generateName": format!("{name}-migration-"), "namespace": ns},
-                "spec": {"vmiName": name},
+                "spec": spec,
             });
             let gk = GroupKind::new("kubevirt.io", "VirtualMachineInstanceMigration");
             let created = store.create(&gk, &ns, m).await?;

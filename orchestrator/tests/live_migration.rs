@@ -68,9 +68,16 @@ async fn a_writing_guest_moves_live_and_keeps_every_record() {
     let src_console = console_of(&cluster.node_dir(&src), &uid);
     wait_console(&src_console, T, |c| acks(c).len() >= 10).await;
 
-    let mig: VirtualMachineInstanceMigration = decode_yaml(
-        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceMigration\nmetadata: {name: live1, namespace: default}\nspec: {vmiName: walker}\n",
-    );
+    // The target is chosen with KubeVirt's addedNodeSelector.
+    let want = cluster
+        .node_names()
+        .into_iter()
+        .filter(|n| *n != src)
+        .max()
+        .unwrap();
+    let mig: VirtualMachineInstanceMigration = decode_yaml(&format!(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceMigration\nmetadata: {{name: live1, namespace: default}}\nspec: {{vmiName: walker, addedNodeSelector: {{kubernetes.io/hostname: {want}}}}}\n",
+    ));
     create(&store, &mig).await;
     let m = wait_json(
         &store,
@@ -89,6 +96,7 @@ async fn a_writing_guest_moves_live_and_keeps_every_record() {
     .await;
     let dst = v["status"]["nodeName"].as_str().unwrap().to_string();
     assert_ne!(dst, src, "{v:#}");
+    assert_eq!(dst, want, "addedNodeSelector picks the target: {v:#}");
     assert_eq!(v["metadata"]["uid"].as_str(), Some(uid.as_str()));
     let ms = &v["status"]["migrationState"];
     assert_eq!(ms["mode"], "PreCopy", "{ms:#}");

@@ -99,10 +99,14 @@ enum Cmd {
         /// VM name.
         vm: String,
     },
-    /// Move a running VM to another node (cold migration).
+    /// Move a running VM to another node (live for sheaf-vmm guests, cold
+    /// for QEMU ones).
     Migrate {
         /// VM name.
         vm: String,
+        /// The node to move to (default: the scheduler picks).
+        #[arg(long)]
+        node: Option<String>,
         /// Wait until it runs on the new node.
         #[arg(long)]
         wait: bool,
@@ -651,13 +655,17 @@ async fn client_cmd(cmd: Cmd, kc: &Path, data_dir: &Path, ns: &str) -> anyhow::R
         Cmd::Restart { vm } => vm_verb(&c, ns, &vm, "restart").await?,
         Cmd::Pause { vm } => vmi_verb(&c, ns, &vm, "pause").await?,
         Cmd::Unpause { vm } => vmi_verb(&c, ns, &vm, "unpause").await?,
-        Cmd::Migrate { vm, wait } => {
+        Cmd::Migrate { vm, node, wait } => {
             let from = vmi_node(&c, ns, &vm).await?;
+            let opts = match &node {
+                Some(n) => json!({"addedNodeSelector": {"kubernetes.io/hostname": n}}),
+                None => json!({}),
+            };
             let r = c
                 .json(
                     "PUT",
                     &format!("{}/virtualmachines/{vm}/migrate", kv(ns)),
-                    Some(("application/json", &json!({}))),
+                    Some(("application/json", &opts)),
                 )
                 .await?;
             println!(

@@ -222,11 +222,13 @@ impl MigrationController {
         })
     }
 
-    /// Picks a target node for `vmi`: anything but its current node.
+    /// Picks a target node for `vmi`: anything but its current node that
+    /// carries the migration's `addedNodeSelector` labels.
     async fn target(
         &self,
         vmi: &VirtualMachineInstance,
         source: &str,
+        added: Option<&std::collections::BTreeMap<String, String>>,
     ) -> ControllerResult<Result<String, String>> {
         let store = &self.ctx.store;
         let mut sched = self.ctx.scheduler.lock().await;
@@ -245,11 +247,19 @@ impl MigrationController {
             operator: Operator::NotIn,
             values: vec![source.to_string()],
         };
+        let mut extra = vec![not_source];
+        for (k, v) in added.into_iter().flatten() {
+            extra.push(Requirement {
+                key: k.clone(),
+                operator: Operator::In,
+                values: vec![v.clone()],
+            });
+        }
         if req.node_affinity.required.is_empty() {
             req.node_affinity.required.push(Default::default());
         }
         for t in &mut req.node_affinity.required {
-            t.match_expressions.push(not_source.clone());
+            t.match_expressions.extend(extra.iter().cloned());
         }
         Ok(match sched.place(&snap, &req) {
             Ok(p) => Ok(p.node),
@@ -347,7 +357,10 @@ impl Reconciler for MigrationController {
                     .await?;
                     return Ok(Action::RequeueAfter(Duration::from_secs(2)));
                 }
-                let target = match self.target(&vmi, &source).await? {
+                let target = match self
+                    .target(&vmi, &source, mig.spec.added_node_selector.as_ref())
+                    .await?
+                {
                     Ok(t) => t,
                     Err(msg) => {
                         self.write(&mig, |s| {

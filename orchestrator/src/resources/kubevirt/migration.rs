@@ -19,6 +19,11 @@ pub struct VirtualMachineInstanceMigrationSpec {
     /// Name of the instance to migrate (same namespace).
     #[serde(default, rename = "vmiName")]
     pub vmi_name: String,
+    /// Labels the target node must carry, on top of the instance's own
+    /// placement rules (KubeVirt's `addedNodeSelector`; e.g.
+    /// `kubernetes.io/hostname: node-2` to pick the node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub added_node_selector: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// Migration phase.

@@ -391,6 +391,15 @@ fn cluster_end_to_end() {
     let (good, out) = sheaf(&dir, &["stop", "nosuch"]);
     assert!(!good && out.contains("not found"), "{out}");
     pause_unpause(&dir);
+    // Malformed MigrateOptions are refused, naming the field.
+    let (code, out) = common::curl_api(
+        &dir,
+        "PUT",
+        "/apis/subresources.kubevirt.io/v1/namespaces/default/virtualmachines/demo/migrate",
+        r#"{"addedNodeSelector": {"kubernetes.io/hostname": 7}}"#,
+    );
+    assert_eq!(code, 400, "{out}");
+    assert!(out.contains("addedNodeSelector"), "{out}");
 
     // Drain: the VM moves live (sheaf-vmm guests do), its log goes on
     // from where it was on the source: no reboot, no record lost.

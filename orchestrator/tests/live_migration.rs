@@ -169,3 +169,96 @@ async fn a_writing_guest_moves_live_and_keeps_every_record() {
     engine.detach().await.unwrap();
     cluster.shutdown().await;
 }
+
+/// kill -9 of the target launcher before the switch-over: the migration
+/// fails naming the target, the guest never stops on the source and its
+/// log goes on there. The source agent is held stopped while the target
+/// listens so that the kill lands before any memory moves (its launcher
+/// runs on meanwhile and is adopted when the agent comes back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_target_fails_the_migration_and_the_source_runs_on() {
+    if !kvm_available() || sheaf_testkit::skip_slow("a_killed_target_fails_the_migration") {
+        return;
+    }
+    init_tracing();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cluster = start_cluster(tmp.path(), 3).await;
+    let store = cluster.store().clone();
+    let vmi_k = gk::<VirtualMachineInstance>();
+    create(&store, &volume("kdisk", "8Mi", 3)).await;
+    let args = "probe.log=100000 probe.log_pause=20000";
+    create(
+        &store,
+        &probe_vm("stayer", "Always", args, Some("kdisk"), "100m"),
+    )
+    .await;
+    let v = wait_json(&store, &vmi_k, "default", "stayer", T, |o| {
+        phase(o) == "Running" && live_migratable(o)
+    })
+    .await;
+    let src = v["status"]["nodeName"].as_str().unwrap().to_string();
+    let uid = v["metadata"]["uid"].as_str().unwrap().to_string();
+    let src_console = console_of(&cluster.node_dir(&src), &uid);
+    wait_console(&src_console, T, |c| acks(c).len() >= 5).await;
+    let want = cluster
+        .node_names()
+        .into_iter()
+        .filter(|n| *n != src)
+        .min()
+        .unwrap();
+
+    cluster.stop_agent(&src).unwrap();
+    let mig: VirtualMachineInstanceMigration = decode_yaml(&format!(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceMigration\nmetadata: {{name: doomed, namespace: default}}\nspec: {{vmiName: stayer, addedNodeSelector: {{kubernetes.io/hostname: {want}}}}}\n",
+    ));
+    create(&store, &mig).await;
+    wait_json(&store, &vmi_k, "default", "stayer", T, |o| {
+        o["status"]["migrationState"]["targetNodeAddress"].is_string()
+    })
+    .await;
+    let target = cluster.agent(&want).unwrap().launchers();
+    assert_eq!(target.len(), 1, "one incoming launcher on {want}");
+    let pid = target[0].pid.unwrap() as i32;
+    // SAFETY: kill(2) on a child launcher's pid; no memory is involved.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let m = wait_json(
+        &store,
+        &gk::<VirtualMachineInstanceMigration>(),
+        "default",
+        "doomed",
+        T,
+        |o| phase(o) == "Succeeded" || phase(o) == "Failed",
+    )
+    .await;
+    cluster.restart_node(&src).await.unwrap();
+    assert_eq!(phase(&m), "Failed", "{m:#}");
+    let v: Value = serde_json::to_value(
+        store
+            .get_typed::<VirtualMachineInstance>("default", "stayer")
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let ms = &v["status"]["migrationState"];
+    assert_eq!(ms["failed"], true, "{ms:#}");
+    assert!(
+        ms["failureReason"]
+            .as_str()
+            .unwrap_or("")
+            .contains("target"),
+        "{ms:#}"
+    );
+    assert_eq!(v["status"]["nodeName"].as_str(), Some(src.as_str()));
+    assert_eq!(phase(&v), "Running", "{v:#}");
+
+    // One guest, never stopped: its log goes on on the source.
+    let before = acks(&read_console(&src_console)).len();
+    let c = wait_console(&src_console, T, |c| acks(c).len() >= before + 10).await;
+    assert_eq!(c.matches("sheaf-probe: boot").count(), 1, "{c}");
+    assert_consecutive(&acks(&c));
+    assert!(
+        cluster.agent(&want).unwrap().launchers().is_empty(),
+        "nothing runs on the target"
+    );
+    cluster.shutdown().await;
+}

@@ -6,10 +6,13 @@
 //! (named on restore), progress and throttling.
 #![allow(clippy::unwrap_used)]
 
+mod backup_common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use backup_common::{Vol, block};
 use bytes::Bytes;
 use sheaf_blockrepl::backup::{
     self, BackupError, BackupOptions, BackupTarget, DirectoryTarget, FileSink, MemoryTarget,
@@ -23,90 +26,6 @@ use sheaf_blockrepl::{BLOCK_SIZE, Tag};
 /// 16 MiB volume: 4096 blocks, 16 chunks of 1 MiB.
 const BLOCKS: u64 = 4096;
 const CHUNK: u64 = 256;
-
-/// Deterministic block content: half compressible text, half noise.
-fn block(seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; BLOCK_SIZE];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for (i, b) in v.iter_mut().enumerate() {
-        if i < BLOCK_SIZE / 2 {
-            *b = b"sheaf backup "[i % 13];
-        } else {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = x as u8;
-        }
-    }
-    v[..8].copy_from_slice(&seed.to_le_bytes());
-    v
-}
-
-struct Vol {
-    _dir: tempfile::TempDir,
-    store: Store,
-    tag: u64,
-    next_layer: u64,
-}
-
-impl Vol {
-    fn new(blocks: u64) -> Vol {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::create(
-            Box::new(StdDir::new(dir.path()).unwrap()),
-            blocks,
-            ReplicaState::Clean,
-        )
-        .unwrap();
-        Vol {
-            _dir: dir,
-            store,
-            tag: 0,
-            next_layer: 2,
-        }
-    }
-
-    fn tag(&mut self) -> Tag {
-        self.tag += 1;
-        Tag::new(1, self.tag)
-    }
-
-    /// Writes blocks `[lba, lba + n)` with content seeded by `gen`.
-    fn write(&mut self, lba: u64, n: u64, generation: u64) {
-        let mut data = Vec::with_capacity(n as usize * BLOCK_SIZE);
-        for b in lba..lba + n {
-            data.extend_from_slice(&block(b * 1000 + generation));
-        }
-        let t = self.tag();
-        self.store.write(t, lba, n as u32, Some(&data)).unwrap();
-    }
-
-    fn snapshot(&mut self, name: &str) {
-        let t = self.tag();
-        let id = self.next_layer;
-        self.next_layer += 1;
-        self.store.snapshot(t, name, id).unwrap();
-    }
-
-    fn snapshot_bytes(&self, name: &str) -> Vec<u8> {
-        let layer = self
-            .store
-            .info()
-            .layers
-            .iter()
-            .find(|l| l.name == name)
-            .unwrap()
-            .id;
-        let n = self.store.size_blocks();
-        let mut out = vec![0u8; n as usize * BLOCK_SIZE];
-        let bad = self
-            .store
-            .read_snapshot(layer, 0, n as u32, &mut out)
-            .unwrap();
-        assert!(bad.is_empty());
-        out
-    }
-}
 
 fn dir_target() -> (
     tempfile::TempDir,

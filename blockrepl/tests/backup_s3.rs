@@ -18,6 +18,8 @@
 //!   errors too.
 #![allow(clippy::unwrap_used)]
 
+mod backup_common;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -25,14 +27,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use backup_common::Vol;
 use sheaf_blockrepl::backup::{
     self, BackupError, BackupOptions, BackupTarget, FileSink, Parent, RestoreOptions, S3Config,
     S3Target, StoreSnapshot,
 };
-use sheaf_blockrepl::store::Store;
-use sheaf_blockrepl::store::disk::StdDir;
-use sheaf_blockrepl::types::ReplicaState;
-use sheaf_blockrepl::{BLOCK_SIZE, Tag};
 
 const BUCKET: &str = "sheaf-backups";
 const CHUNK: u64 = 256;
@@ -212,87 +211,6 @@ impl Proxy {
         // Aborting the accept task drops the listener and the JoinSet,
         // which aborts every proxied connection.
         self.task.abort();
-    }
-}
-
-fn block(seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; BLOCK_SIZE];
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for (i, b) in v.iter_mut().enumerate() {
-        if i < BLOCK_SIZE / 2 {
-            *b = b"sheaf backup "[i % 13];
-        } else {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            *b = x as u8;
-        }
-    }
-    v[..8].copy_from_slice(&seed.to_le_bytes());
-    v
-}
-
-struct Vol {
-    _dir: tempfile::TempDir,
-    store: Store,
-    tag: u64,
-    layer: u64,
-}
-
-impl Vol {
-    fn new(blocks: u64) -> Vol {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::create(
-            Box::new(StdDir::new(dir.path()).unwrap()),
-            blocks,
-            ReplicaState::Clean,
-        )
-        .unwrap();
-        Vol {
-            _dir: dir,
-            store,
-            tag: 0,
-            layer: 2,
-        }
-    }
-
-    fn write(&mut self, lba: u64, n: u64, generation: u64) {
-        // In pieces of at most 1024 blocks.
-        let mut at = lba;
-        while at < lba + n {
-            let k = (lba + n - at).min(1024);
-            let mut data = Vec::with_capacity(k as usize * BLOCK_SIZE);
-            for b in at..at + k {
-                data.extend_from_slice(&block(b * 1000 + generation));
-            }
-            self.tag += 1;
-            self.store
-                .write(Tag::new(1, self.tag), at, k as u32, Some(&data))
-                .unwrap();
-            at += k;
-        }
-    }
-
-    fn snapshot(&mut self, name: &str) {
-        self.tag += 1;
-        self.store
-            .snapshot(Tag::new(1, self.tag), name, self.layer)
-            .unwrap();
-        self.layer += 1;
-    }
-
-    fn snapshot_bytes(&self, name: &str) -> Vec<u8> {
-        let layers = self.store.info().layers;
-        let layer = layers.iter().find(|l| l.name == name).unwrap().id;
-        let n = self.store.size_blocks();
-        let mut out = vec![0u8; n as usize * BLOCK_SIZE];
-        assert!(
-            self.store
-                .read_snapshot(layer, 0, n as u32, &mut out)
-                .unwrap()
-                .is_empty()
-        );
-        out
     }
 }
 

@@ -22,25 +22,6 @@ fn phase(o: &Value) -> &str {
     o["status"]["phase"].as_str().unwrap_or("")
 }
 
-async fn set_strategy(
-    store: &std::sync::Arc<dyn sheaf_orchestrator::store::Store>,
-    name: &str,
-    s: RunStrategy,
-) {
-    store
-        .modify_typed(
-            "default",
-            name,
-            UpdateScope::Main,
-            |vm: &mut VirtualMachine| {
-                vm.spec.run_strategy = Some(s);
-                vm.spec.running = None;
-            },
-        )
-        .await
-        .unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn run_strategies_and_scheduling() {
     if !kvm_available() || sheaf_testkit::skip_slow("run_strategies_and_scheduling") {

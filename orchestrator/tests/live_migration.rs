@@ -16,9 +16,9 @@ use serde_json::Value;
 use sheaf_blockrepl::net::Secret;
 use sheaf_blockrepl::volume::{Volume as Engine, VolumeConfig};
 use sheaf_orchestrator::resources::{
-    RunStrategy, VirtualMachine, VirtualMachineInstance, VirtualMachineInstanceMigration, Volume,
+    RunStrategy, VirtualMachineInstance, VirtualMachineInstanceMigration, Volume,
 };
-use sheaf_orchestrator::store::{StoreExt, UpdateScope};
+use sheaf_orchestrator::store::StoreExt;
 
 const T: Duration = Duration::from_secs(60);
 
@@ -41,6 +41,35 @@ fn assert_consecutive(seq: &[u64]) {
     );
 }
 
+/// A running probe guest `name` appending a record every 20 ms to a fresh
+/// 3-replica volume `disk`, with 10 (or `min_acks`) acknowledged:
+/// (its node, its uid, its console).
+async fn writing_guest(
+    cluster: &sheaf_orchestrator::cluster::LocalCluster,
+    name: &str,
+    disk: &str,
+    min_acks: usize,
+) -> (String, String, std::path::PathBuf) {
+    let store = cluster.store();
+    create(store, &volume(disk, "8Mi", 3)).await;
+    let args = "probe.log=100000 probe.log_pause=20000";
+    create(store, &probe_vm(name, "Always", args, Some(disk), "100m")).await;
+    let v = wait_json(
+        store,
+        &gk::<VirtualMachineInstance>(),
+        "default",
+        name,
+        T,
+        |o| phase(o) == "Running" && live_migratable(o),
+    )
+    .await;
+    let src = v["status"]["nodeName"].as_str().unwrap().to_string();
+    let uid = v["metadata"]["uid"].as_str().unwrap().to_string();
+    let console = console_of(&cluster.node_dir(&src), &uid);
+    wait_console(&console, T, |c| acks(c).len() >= min_acks).await;
+    (src, uid, console)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_writing_guest_moves_live_and_keeps_every_record() {
     if !kvm_available() || sheaf_testkit::skip_slow("a_writing_guest_moves_live") {
@@ -51,22 +80,7 @@ async fn a_writing_guest_moves_live_and_keeps_every_record() {
     let cluster = start_cluster(tmp.path(), 3).await;
     let store = cluster.store().clone();
     let vmi_k = gk::<VirtualMachineInstance>();
-    create(&store, &volume("lmdisk", "8Mi", 3)).await;
-    // A record every 20 ms, each acknowledged once durable.
-    let args = "probe.log=100000 probe.log_pause=20000";
-    create(
-        &store,
-        &probe_vm("walker", "Always", args, Some("lmdisk"), "100m"),
-    )
-    .await;
-    let v = wait_json(&store, &vmi_k, "default", "walker", T, |o| {
-        phase(o) == "Running" && live_migratable(o)
-    })
-    .await;
-    let src = v["status"]["nodeName"].as_str().unwrap().to_string();
-    let uid = v["metadata"]["uid"].as_str().unwrap().to_string();
-    let src_console = console_of(&cluster.node_dir(&src), &uid);
-    wait_console(&src_console, T, |c| acks(c).len() >= 10).await;
+    let (src, uid, src_console) = writing_guest(&cluster, "walker", "lmdisk", 10).await;
 
     // The target is chosen with KubeVirt's addedNodeSelector.
     let want = cluster
@@ -131,18 +145,7 @@ async fn a_writing_guest_moves_live_and_keeps_every_record() {
 
     // Stop the guest and read the volume with an engine of our own: every
     // record acknowledged on either node is there.
-    store
-        .modify_typed(
-            "default",
-            "walker",
-            UpdateScope::Main,
-            |vm: &mut VirtualMachine| {
-                vm.spec.run_strategy = Some(RunStrategy::Halted);
-                vm.spec.running = None;
-            },
-        )
-        .await
-        .unwrap();
+    set_strategy(&store, "walker", RunStrategy::Halted).await;
     wait_gone(&store, &vmi_k, "default", "walker", T).await;
     let acked = acks(&read_console(&dst_console));
     let last = *acked.last().unwrap_or(&seq[seq.len() - 1]);
@@ -185,21 +188,7 @@ async fn a_killed_target_fails_the_migration_and_the_source_runs_on() {
     let mut cluster = start_cluster(tmp.path(), 3).await;
     let store = cluster.store().clone();
     let vmi_k = gk::<VirtualMachineInstance>();
-    create(&store, &volume("kdisk", "8Mi", 3)).await;
-    let args = "probe.log=100000 probe.log_pause=20000";
-    create(
-        &store,
-        &probe_vm("stayer", "Always", args, Some("kdisk"), "100m"),
-    )
-    .await;
-    let v = wait_json(&store, &vmi_k, "default", "stayer", T, |o| {
-        phase(o) == "Running" && live_migratable(o)
-    })
-    .await;
-    let src = v["status"]["nodeName"].as_str().unwrap().to_string();
-    let uid = v["metadata"]["uid"].as_str().unwrap().to_string();
-    let src_console = console_of(&cluster.node_dir(&src), &uid);
-    wait_console(&src_console, T, |c| acks(c).len() >= 5).await;
+    let (src, _uid, src_console) = writing_guest(&cluster, "stayer", "kdisk", 5).await;
     let want = cluster
         .node_names()
         .into_iter()

@@ -122,12 +122,23 @@ fn spawn_target(
     std::net::SocketAddr,
     std::thread::JoinHandle<sheaf_vmm::Result<Vm>>,
 ) {
+    spawn_target_with(disk, MigrationConfig::new(key))
+}
+
+/// [`spawn_target`] with the target's migration settings.
+fn spawn_target_with(
+    disk: &Path,
+    mc: MigrationConfig,
+) -> (
+    std::net::SocketAddr,
+    std::thread::JoinHandle<sheaf_vmm::Result<Vm>>,
+) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let cfg = config(disk);
     let h = std::thread::spawn(move || {
         let (s, _) = l.accept().unwrap();
-        Vm::builder(cfg).receive_migration(s, &MigrationConfig::new(key))
+        Vm::builder(cfg).receive_migration(s, &mc)
     });
     (addr, h)
 }
@@ -641,23 +652,16 @@ fn the_before_start_hook_gates_the_switch_over() {
     wait_acks(&src, 3);
 
     let spawn = |allow: bool, calls: Arc<AtomicU64>| {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let cfg = config(&disk);
-        let h = std::thread::spawn(move || {
-            let (s, _) = l.accept().unwrap();
-            let mut mc = MigrationConfig::new(KEY);
-            mc.before_start = Some(Arc::new(move || {
-                calls.fetch_add(1, Ordering::SeqCst);
-                if allow {
-                    Ok(())
-                } else {
-                    Err("volume lease not granted".into())
-                }
-            }));
-            Vm::builder(cfg).receive_migration(s, &mc)
-        });
-        (addr, h)
+        let mut mc = MigrationConfig::new(KEY);
+        mc.before_start = Some(Arc::new(move || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            if allow {
+                Ok(())
+            } else {
+                Err("volume lease not granted".into())
+            }
+        }));
+        spawn_target_with(&disk, mc)
     };
 
     let refused = Arc::new(AtomicU64::new(0));

@@ -252,10 +252,10 @@ pub(crate) fn stop(shared: &Shared, uid: &str) {
 /// Sends `cmd` to a running launcher; false when it is not connected.
 pub(crate) fn command(shared: &Shared, uid: &str, cmd: LauncherCommand) -> bool {
     let g = lock(&shared.launchers);
-    match g.get(uid).and_then(|e| e.cmd.as_ref()) {
-        Some(tx) if !g.get(uid).is_some_and(|e| e.exited()) => tx.send(cmd).is_ok(),
-        _ => false,
-    }
+    g.get(uid)
+        .filter(|e| !e.exited())
+        .and_then(|e| e.cmd.as_ref())
+        .is_some_and(|tx| tx.send(cmd).is_ok())
 }
 
 /// Tells launcher `uid` to live-migrate for migration `cmd.migration_uid`,

@@ -78,17 +78,12 @@ impl Ends<'_> {
             .local_addr()
             .map_err(|e| format!("listening for the migration: {e}"))?;
         self.rep.publish(|s| {
-            s.migration = Some(LauncherMigration {
-                migration_uid: inc.migration_uid.clone(),
-                role: MigrationRole::Target,
-                progress: MigrationProgress::Listening,
-                address: Some(addr),
-                downtime_us: None,
-                total_ms: None,
-                passes: None,
-                bytes: None,
-                reason: None,
-            })
+            s.migration = Some(LauncherMigration::new(
+                &inc.migration_uid,
+                MigrationRole::Target,
+                MigrationProgress::Listening,
+                addr,
+            ))
         });
         info!(%addr, migration = %inc.migration_uid, "waiting for the migration source");
         let conn = accept(&listener, inc.accept_timeout_secs, cmds)?;
@@ -211,17 +206,12 @@ pub(super) fn send(
     rep: &Reporter,
 ) -> Option<VmExit> {
     rep.publish(|s| {
-        s.migration = Some(LauncherMigration {
-            migration_uid: cmd.migration_uid.clone(),
-            role: MigrationRole::Source,
-            progress: MigrationProgress::Running,
-            address: Some(cmd.target),
-            downtime_us: None,
-            total_ms: None,
-            passes: None,
-            bytes: None,
-            reason: None,
-        })
+        s.migration = Some(LauncherMigration::new(
+            &cmd.migration_uid,
+            MigrationRole::Source,
+            MigrationProgress::Running,
+            cmd.target,
+        ))
     });
     info!(target = %cmd.target, migration = %cmd.migration_uid, "live migration starts");
     let result = (|| {

@@ -229,6 +229,28 @@ pub struct LauncherMigration {
     pub reason: Option<String>,
 }
 
+impl LauncherMigration {
+    /// Migration `uid` starting at this end, `address` as the role says.
+    pub fn new(
+        uid: &str,
+        role: MigrationRole,
+        progress: MigrationProgress,
+        address: SocketAddr,
+    ) -> Self {
+        LauncherMigration {
+            migration_uid: uid.to_string(),
+            role,
+            progress,
+            address: Some(address),
+            downtime_us: None,
+            total_ms: None,
+            passes: None,
+            bytes: None,
+            reason: None,
+        }
+    }
+}
+
 impl LauncherStatus {
     /// Writes the status to `dir/status.json` atomically.
     pub fn save(&self, dir: &Path) -> std::io::Result<()> {

@@ -279,13 +279,7 @@ pub trait RunningVm: Send + fmt::Debug {
         &mut self,
         conn: std::net::TcpStream,
         cfg: &sheaf_vmm::MigrationConfig,
-    ) -> Result<sheaf_vmm::MigrationReport, RuntimeError> {
-        let _ = (conn, cfg);
-        Err(RuntimeError::Unsupported {
-            runtime: "qemu",
-            what: "live migration (only sheaf-vmm guests migrate live)".into(),
-        })
-    }
+    ) -> Result<sheaf_vmm::MigrationReport, RuntimeError>;
 }
 
 /// The runtime called `name`.

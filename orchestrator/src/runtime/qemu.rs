@@ -268,6 +268,17 @@ impl VmRuntime for QemuRuntime {
 }
 
 impl RunningVm for QemuVm {
+    fn migrate(
+        &mut self,
+        _conn: std::net::TcpStream,
+        _cfg: &sheaf_vmm::MigrationConfig,
+    ) -> Result<sheaf_vmm::MigrationReport, RuntimeError> {
+        Err(RuntimeError::Unsupported {
+            runtime: "qemu",
+            what: "live migration (only sheaf-vmm guests migrate live)".into(),
+        })
+    }
+
     fn wait_timeout(&mut self, timeout: Duration) -> Option<VmExit> {
         let deadline = Instant::now() + timeout;
         loop {

@@ -10,9 +10,11 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use sheaf_orchestrator::cluster::{LocalCluster, LocalClusterConfig};
-use sheaf_orchestrator::resources::{FieldValidation, VirtualMachine, Volume};
+use sheaf_orchestrator::resources::{FieldValidation, RunStrategy, VirtualMachine, Volume};
 use sheaf_orchestrator::resources::{Resource, decode};
-use sheaf_orchestrator::store::{FieldSelector, GroupKind, Store, StoreExt, WatchOptions};
+use sheaf_orchestrator::store::{
+    FieldSelector, GroupKind, Store, StoreExt, UpdateScope, WatchOptions,
+};
 
 pub fn kvm_available() -> bool {
     if Path::new("/dev/kvm").exists() {
@@ -187,6 +189,22 @@ pub fn probe_vm(
     decode::<VirtualMachine>(&v, FieldValidation::Strict)
         .unwrap_or_else(|e| panic!("{e}"))
         .0
+}
+
+/// Sets VM `name`'s `runStrategy` (clearing `running`).
+pub async fn set_strategy(store: &Arc<dyn Store>, name: &str, s: RunStrategy) {
+    store
+        .modify_typed(
+            "default",
+            name,
+            UpdateScope::Main,
+            |vm: &mut VirtualMachine| {
+                vm.spec.run_strategy = Some(s);
+                vm.spec.running = None;
+            },
+        )
+        .await
+        .unwrap();
 }
 
 pub async fn create<K: Resource>(store: &Arc<dyn Store>, obj: &K) -> K {
